@@ -1,0 +1,142 @@
+"""Plain-jnp references of every attention kernel, and the contract they share.
+
+KV pool layout (one pair of arrays per layer):
+
+    k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_dim]
+
+Block 0 is the null block: padded block-table entries point at it and padded
+tokens write into it, so its contents are garbage and are never read unmasked.
+A token's *slot* is `block_id * block_size + offset_in_block`.
+
+One step's tokens form a flat ragged batch of T tokens (T is a bucket size).
+Requests occupy rows 0..R-1 of the metadata (R is a bucket size too); the
+tokens of request r are q[query_start_loc[r]:query_start_loc[r + 1]]. These are
+the request's *newest* q_len tokens: they sit at absolute positions
+seq_lens[r] - q_len ... seq_lens[r] - 1, and each attends causally to every
+KV position up to and including its own (the cached prefix plus the new tokens
+before it). Padded request rows have q_len 0 and seq_len 0; tokens at index
+>= query_start_loc[R] are padding and their output is 0.
+
+The new K/V of a step are written into the pool (`write_kv`) before attention
+reads it, so the kernels only ever read the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token goes and what each request attends to (all int32)."""
+
+    slot_mapping: Int[Array, "tokens"]  # pool slot of each new token; padding -> a null-block slot
+    query_start_loc: Int[Array, "reqs_plus_1"]  # cumulative q lengths; padded rows repeat the total
+    seq_lens: Int[Array, "reqs"]  # KV length after this step (cached + new); 0 for padded rows
+    block_tables: Int[Array, "reqs max_blocks"]  # block ids per request; padded with 0 (null block)
+
+
+def write_kv(
+    k_pages: Float[Array, "kv_heads blocks block_size dim"],
+    v_pages: Float[Array, "kv_heads blocks block_size dim"],
+    k: Float[Array, "tokens kv_heads dim"],
+    v: Float[Array, "tokens kv_heads dim"],
+    slot_mapping: Int[Array, "tokens"],
+) -> tuple[Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]]:
+    """Scatter the new K/V of a step into their slots; every other slot is untouched."""
+    block_size = k_pages.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_pages = k_pages.at[:, blocks, offsets].set(k.swapaxes(0, 1).astype(k_pages.dtype))
+    v_pages = v_pages.at[:, blocks, offsets].set(v.swapaxes(0, 1).astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def token_request_ids(query_start_loc: Int[Array, "reqs_plus_1"], num_tokens: int) -> tuple[Array, Array]:
+    """Request row of each token and whether the token is real (not padding)."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_reqs = query_start_loc.shape[0] - 1
+    req = jnp.searchsorted(query_start_loc[1:], tokens, side="right").astype(jnp.int32)
+    return jnp.minimum(req, num_reqs - 1), tokens < query_start_loc[-1]
+
+
+def ragged_paged_attention_reference(
+    q: Float[Array, "tokens q_heads dim"],
+    k_pages: Float[Array, "kv_heads blocks block_size dim"],
+    v_pages: Float[Array, "kv_heads blocks block_size dim"],
+    metadata: AttentionMetadata,
+    sm_scale: float,
+) -> Float[Array, "tokens q_heads dim"]:
+    """Causal attention of a ragged batch of new tokens over the paged pool.
+
+    Walks the pages with an online softmax, only as far as the longest request,
+    so memory stays O(tokens * block_size) whatever max_model_len is. Masked
+    keys and values are replaced before use, so NaN garbage in unused pages or
+    the unused tail of a page never leaks into the output.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    req, is_real = token_request_ids(metadata.query_start_loc, num_tokens)
+    q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+    seq_len = metadata.seq_lens[req]
+    # Absolute position of each token: its request's first new position + index within the chunk.
+    position = seq_len - q_lens[req] + (jnp.arange(num_tokens) - metadata.query_start_loc[req])
+    block_table = metadata.block_tables[req]  # [T, max_blocks]
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+
+    def one_page(j, carry):
+        m, l, acc = carry
+        page = block_table[:, j]  # [T]
+        k = k_pages[:, page].astype(jnp.float32)  # [Hkv, T, S, D]
+        v = v_pages[:, page].astype(jnp.float32)
+        kv_pos = j * block_size + jnp.arange(block_size)
+        valid = (kv_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, S]
+        k = jnp.where(valid[None, :, :, None], k, 0.0)
+        v = jnp.where(valid[None, :, :, None], v, 0.0)
+        s = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
+        l = alpha * l + p.sum(axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgs,ktsd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    num_pages = (jnp.max(metadata.seq_lens) + block_size - 1) // block_size
+    _, l, acc = jax.lax.fori_loop(0, num_pages, one_page, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention_reference(
+    q: Float[Array, "reqs q_heads dim"],
+    k_pages: Float[Array, "kv_heads blocks block_size dim"],
+    v_pages: Float[Array, "kv_heads blocks block_size dim"],
+    seq_lens: Int[Array, "reqs"],
+    block_tables: Int[Array, "reqs max_blocks"],
+    sm_scale: float,
+) -> Float[Array, "reqs q_heads dim"]:
+    """Decode: one new token per request, attending to all seq_lens[r] cached tokens.
+
+    The ragged reference with every q_len equal to 1; rows with seq_len 0 are
+    padding (their token has no key to attend to) and give 0.
+    """
+    num_reqs = q.shape[0]
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.zeros((num_reqs,), jnp.int32),
+        query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+    )
+    return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale)
