@@ -1,0 +1,1 @@
+"""The serving engine: requests, block allocation, scheduling, and the device step."""

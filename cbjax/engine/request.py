@@ -1,0 +1,86 @@
+"""One request's state as the scheduler sees it: its tokens, progress, blocks and status."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # blocks freed; back at the head of the waiting queue
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason: "stop" | "length" | "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and what has been generated for it.
+
+    `sampling_params` is duck-typed: the scheduler reads `max_tokens` (None = up to
+    max_model_len), `min_tokens`, `stop_token_ids` and `ignore_eos`.
+    Output tokens are added only through `append_output_token`, which keeps
+    `all_token_ids` (prompt + output) in step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    # KV entries written for all_token_ids[:num_computed_tokens]; reset to 0 on preemption.
+    num_computed_tokens: int = field(init=False, default=0)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    block_ids: list[int] = field(init=False, default_factory=list)
+    num_preemptions: int = field(init=False, default=0)
+    # The stop token id, or the stop string the engine matched.
+    stop_reason: int | str | None = field(init=False, default=None)
+    first_scheduled_time: float | None = field(init=False, default=None)
+    first_token_time: float | None = field(init=False, default=None)
+    finished_time: float | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = list(self.eos_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
