@@ -1,0 +1,218 @@
+"""Ragged attention over the paged KV pool: prefill chunks and decodes in one batch.
+
+The step's new tokens are one flat ragged array (see reference.py): request r
+owns q[query_start_loc[r]:query_start_loc[r + 1]], its newest q_len tokens,
+which attend causally to the request's cached tokens and to the new tokens
+before them.
+
+Work list. Each request's new tokens are cut into query tiles of `block_q`
+tokens; XLA lists the (request, tile) pairs of the step, at most
+T // block_q + min(R, T) of them (each request adds at most one partial tile),
+so the grid is static and has no empty request x tile products. Grid
+(tiles, kv_heads): one program takes block_q tokens x the query heads of one
+KV head, i.e. block_q * group rows of one dot, and walks the request's pages
+up to its last token's position with an online softmax, causal mask on the
+way.
+
+Tiles are not aligned to block_q in the flat batch, so the flat q and the
+output stay in global memory (`memory_space=pl.ANY`) and a program reads its
+rows by dynamic slice and writes them with a masked store: rows past the
+request's q_len belong to the next request and are never written. q and the
+output are padded by block_q rows so a slice never leaves the array (Triton's
+masked accesses would not need that; interpret mode's slices would clamp). The
+output starts as zeros (aliased), so padding tokens give 0 as the contract says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from kernels_pallas.paged_attention import MIN_DOT, check_kernel_shapes
+from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "query_tiles"]
+
+TARGET_ROWS = 64  # block_q * group: rows of the score tile, enough to reuse each K/V tile well.
+
+
+def query_tiles(
+    query_start_loc: Int[Array, "reqs_plus_1"], num_tokens: int, block_q: int
+) -> tuple[Int[Array, "tiles"], Int[Array, "tiles"]]:
+    """The step's (request, tile index within request) pairs, padded with empty tiles of the last row."""
+    num_reqs = query_start_loc.shape[0] - 1
+    max_tiles = num_tokens // block_q + min(num_reqs, num_tokens)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles_per_req = pl.cdiv(q_lens, block_q)
+    tile_ends = jnp.cumsum(tiles_per_req)
+    work = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_req = jnp.minimum(jnp.searchsorted(tile_ends, work, side="right"), num_reqs - 1).astype(jnp.int32)
+    # Past the last real tile this index runs beyond its request's tiles: the tile has no rows.
+    tile_idx = (work - (tile_ends[tile_req] - tiles_per_req[tile_req])).astype(jnp.int32)
+    return tile_req, tile_idx
+
+
+def _ragged_kernel(
+    tile_req_ref,  # [W] int32 (pl.ANY)
+    tile_idx_ref,  # [W] int32 (pl.ANY)
+    query_start_loc_ref,  # [R + 1] int32 (pl.ANY)
+    seq_lens_ref,  # [R] int32 (pl.ANY)
+    block_tables_ref,  # [R, P] int32 (pl.ANY)
+    q_ref,  # [T + block_q, Hkv, G, D] (pl.ANY)
+    k_pages_ref,  # [Hkv, N, S, D] (pl.ANY)
+    v_pages_ref,  # [Hkv, N, S, D] (pl.ANY)
+    zeros_ref,  # aliased with o_ref
+    o_ref,  # [T + block_q, Hkv, G, D] (pl.ANY)
+    *,
+    sm_scale: float,
+    block_q: int,
+    pages_per_tile: int,
+):
+    del zeros_ref  # Only there to give o_ref its zeros.
+    work, kv_head = pl.program_id(0), pl.program_id(1)
+    _, _, group, head_dim = q_ref.shape
+    _, _, block_size, _ = k_pages_ref.shape
+    block_kv = pages_per_tile * block_size
+    rows = block_q * group
+
+    req, tile = tile_req_ref[work], tile_idx_ref[work]
+    q_start = query_start_loc_ref[req]
+    q_len = query_start_loc_ref[req + 1] - q_start
+    seq_len = seq_lens_ref[req]
+    num_rows = jnp.clip(q_len - tile * block_q, 0, block_q)  # real tokens in this tile
+    first_pos = seq_len - q_len + tile * block_q  # absolute position of the tile's first token
+    tile_start = q_start + tile * block_q
+
+    token = jnp.arange(rows, dtype=jnp.int32) // group  # token of each score row
+    row_pos = first_pos + token
+    num_pages = pl.cdiv(seq_len, block_size)
+    # Keys up to the tile's last real token; kv tile 0 holds position 0, a key every row may see.
+    num_kv_tiles = jnp.where(num_rows > 0, pl.cdiv(first_pos + num_rows, block_kv), 0)
+
+    q = q_ref[pl.ds(tile_start, block_q), kv_head].reshape(rows, head_dim)
+
+    def one_tile(t, carry):
+        m, l, acc = carry
+        page0 = t * pages_per_tile
+        page_idx = page0 + jnp.arange(pages_per_tile, dtype=jnp.int32)
+        pages = jnp.where(page_idx < num_pages, block_tables_ref[req, pl.ds(page0, pages_per_tile)], 0)
+        k = k_pages_ref[kv_head, pages].reshape(block_kv, head_dim)
+        v = v_pages_ref[kv_head, pages].reshape(block_kv, head_dim)
+        kv_pos = page0 * block_size + jnp.arange(block_kv, dtype=jnp.int32)
+        in_seq = kv_pos < seq_len
+        # Zero what lies past the sequence: 0 * NaN garbage would still be NaN in the dots.
+        k = jnp.where(in_seq[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(in_seq[:, None], v, jnp.zeros_like(v))
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        visible = in_seq[None, :] & (kv_pos[None, :] <= row_pos[:, None])
+        s = jnp.where(visible, s * sm_scale, -jnp.inf)  # [rows, block_kv]
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l, alpha[:, None] * acc + pv
+
+    init = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(block_q, group, head_dim)
+    is_mine = jnp.arange(block_q, dtype=jnp.int32) < num_rows
+    pltriton.store(
+        o_ref.at[pl.ds(tile_start, block_q), kv_head],
+        out,
+        mask=jnp.broadcast_to(is_mine[:, None, None], out.shape),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_q", "pages_per_tile", "num_warps", "num_stages", "interpret"),
+)
+def ragged_paged_attention(
+    q: Float[Array, "tokens q_heads dim"],
+    k_pages: Float[Array, "kv_heads blocks block_size dim"],
+    v_pages: Float[Array, "kv_heads blocks block_size dim"],
+    metadata: AttentionMetadata,
+    sm_scale: float,
+    *,
+    block_q: int | None = None,
+    pages_per_tile: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> Float[Array, "tokens q_heads dim"]:
+    """Causal attention of a ragged batch over the paged pool; equals `ragged_paged_attention_reference`.
+
+    block_q: new tokens per program (default: TARGET_ROWS score rows).
+    pages_per_tile: pages per online-softmax step (default: 64 tokens' worth, at least 16).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_reqs, max_blocks = metadata.block_tables.shape
+    check_kernel_shapes(num_q_heads, num_kv_heads, head_dim, block_size)
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ")
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the pool has {k_pages.shape[3]}; they must match")
+    if metadata.query_start_loc.shape != (num_reqs + 1,) or metadata.seq_lens.shape != (num_reqs,):
+        raise ValueError(
+            f"block_tables has {num_reqs} rows, so query_start_loc must be ({num_reqs + 1},) and seq_lens "
+            f"({num_reqs},); got {metadata.query_start_loc.shape} and {metadata.seq_lens.shape}"
+        )
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    if block_q is None:
+        block_q = max(1, TARGET_ROWS // group_pad)
+    if block_q < 1 or block_q & (block_q - 1) or block_q * group_pad < MIN_DOT:
+        raise ValueError(
+            f"block_q={block_q} with {group_pad} query heads per KV head gives {block_q * group_pad} score rows; "
+            f"use a power of two giving at least {MIN_DOT} rows"
+        )
+    if pages_per_tile is None:
+        pages_per_tile = max(pl.cdiv(MIN_DOT, block_size), 64 // block_size, 1)
+    if pages_per_tile & (pages_per_tile - 1) or pages_per_tile * block_size < MIN_DOT:
+        raise ValueError(
+            f"pages_per_tile={pages_per_tile} with block_size={block_size} gives kv tiles of "
+            f"{pages_per_tile * block_size} tokens; use a power of two with at least {MIN_DOT} tokens per tile"
+        )
+    # Null-block padding so the last kv tile's block-table read stays inside the row.
+    block_tables = jnp.pad(metadata.block_tables, ((0, 0), (0, -max_blocks % pages_per_tile)))
+    tile_req, tile_idx = query_tiles(metadata.query_start_loc, num_tokens, block_q)
+
+    q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_grouped = jnp.pad(q_grouped, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    zeros = jnp.zeros_like(q_grouped)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_tile=pages_per_tile)
+    out = pl.pallas_call(
+        kernel,
+        grid=(tile_req.shape[0], num_kv_heads),
+        in_specs=[any_spec] * 9,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
+        input_output_aliases={8: 0},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_{block_q=}_{pages_per_tile=}",
+    )(
+        tile_req,
+        tile_idx,
+        metadata.query_start_loc.astype(jnp.int32),
+        metadata.seq_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        q_grouped,
+        k_pages,
+        v_pages,
+        zeros,
+    )
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
