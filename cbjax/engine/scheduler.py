@@ -1,0 +1,258 @@
+"""Continuous batching: which requests compute how many tokens each step (vLLM V1 policy).
+
+There is no separate prefill phase. Each step has a budget of max_num_batched_tokens:
+running requests go first, in admission order (one token for a decode, the next chunk
+of a partly computed prompt), then waiting requests are admitted in arrival order
+while there are seats, budget and blocks. A running request that cannot get a block
+preempts the most recently admitted running request (possibly itself) by recompute,
+and nobody new is admitted in that step.
+"""
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cbjax.engine.block_manager import BlockManager
+from cbjax.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """Compute all_token_ids[start : start + num_new_tokens] of `request`."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # the request's num_computed_tokens before this step
+    samples: bool  # after this step every token is computed, so a new one is sampled
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request adds exactly one token (an empty step is not a decode step)."""
+        return bool(self.scheduled) and all(item.num_new_tokens == 1 for item in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_manager: BlockManager,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        for name, value in [
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name} is {value}; it must be at least 1")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens is {max_num_batched_tokens}, below max_model_len "
+                f"{max_model_len}, and chunked prefill is off, so a long prompt could never "
+                f"be scheduled; raise max_num_batched_tokens to {max_model_len} or set "
+                "enable_chunked_prefill=True"
+            )
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold is {long_prefill_token_threshold}; "
+                "it must be 0 (off) or positive"
+            )
+        if long_prefill_token_threshold and not enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold is {long_prefill_token_threshold}, which splits "
+                "prompts into chunks, but chunked prefill is off; set it to 0 or set "
+                "enable_chunked_prefill=True"
+            )
+        blocks_per_request = block_manager.blocks_needed(max_model_len)
+        if blocks_per_request > block_manager.num_usable_blocks:
+            raise ValueError(
+                f"one request of max_model_len {max_model_len} needs {blocks_per_request} "
+                f"blocks of {block_manager.block_size} tokens; the pool has "
+                f"{block_manager.num_usable_blocks}; give the KV cache more blocks or "
+                "lower max_model_len"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"request id {request.request_id!r} is already in use; give each request a unique id"
+            )
+        if not 1 <= request.num_tokens <= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id} has {request.num_tokens} tokens; it needs "
+                f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop an unfinished request and free its blocks; None if it is unknown or finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish an unfinished request with `status` (e.g. a stop string matched)."""
+        if not status.is_finished:
+            raise ValueError(f"status {status.name} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; the block_ids of every scheduled request cover its new tokens."""
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            while not self.block_manager.can_allocate(request, num_new_tokens):
+                victim = self.running.pop()  # scheduled requests sit before `index`: never victims
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._allocate(request, num_new_tokens))
+                token_budget -= num_new_tokens
+                index += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and token_budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens):
+                break  # strict arrival order: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            self.running.append(request)
+            scheduled.append(self._allocate(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        return SchedulerOutput(scheduled, [request.request_id for request in preempted])
+
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Record the step's computed tokens and sampled tokens; return the requests that finished."""
+        finished = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted between schedule() and update()
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            request.append_output_token(sampled_token_ids[request.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = self.clock()
+            status = self._stop_status(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens to compute for `request` this step; 0 if its whole remainder must wait."""
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        if num_new_tokens <= token_budget:
+            return num_new_tokens
+        return token_budget if self.enable_chunked_prefill else 0
+
+    def _allocate(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        self.block_manager.allocate(request, num_new_tokens)
+        start = request.num_computed_tokens
+        samples = start + num_new_tokens == request.num_tokens
+        return ScheduledRequest(request, num_new_tokens, start, samples)
+
+    def _preempt(self, request: Request) -> None:
+        """Free `request`'s blocks and queue it first in line to recompute everything."""
+        logger.info(
+            "preempted request %s: %d tokens to recompute", request.request_id, request.num_tokens
+        )
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        """vLLM's stop check, run after each sampled token: length first, then eos and stop ids."""
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            request.stop_reason = last_token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        del self.requests[request.request_id]
+        self.block_manager.free(request)
+        request.status = status
+        request.finished_time = self.clock()
