@@ -1,0 +1,188 @@
+"""The model's tokenizer (Hugging Face `tokenizers`, read from a checkpoint directory) and the
+incremental detokenizer that turns a stream of sampled ids into text."""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import processors
+
+from cbjax.chat_template import Message, render_chat_template
+
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encodes, decodes and renders chats exactly as `transformers.AutoTokenizer` does for the same directory."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: dict[str, str],
+        eos_token_ids: list[int],
+        chat_template: str | None,
+        source: str = "<in memory>",
+    ):
+        self.backend = backend
+        self.special_tokens = special_tokens
+        self._eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.source = source
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Read tokenizer.json plus, where present, tokenizer_config.json, special_tokens_map.json,
+        generation_config.json and chat_template.jinja."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path} has no tokenizer.json; point at a Hugging Face model directory "
+                "(`cbjax import-gguf` writes one from a GGUF file)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        special_tokens_map = _read_json(path / "special_tokens_map.json")
+        special_tokens = {
+            name: _token_content(config.get(name) or special_tokens_map.get(name))
+            for name in _NAMED_SPECIAL_TOKENS
+            if config.get(name) or special_tokens_map.get(name)
+        }
+        # transformers rebuilds the post-processor when the config states either flag (and keeps tokenizer.json's otherwise).
+        if "add_bos_token" in config or "add_eos_token" in config:
+            backend.post_processor = _bos_eos_post_processor(
+                backend, special_tokens, config.get("add_bos_token", False), config.get("add_eos_token", False)
+            )
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+        generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        eos_ids = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        if "eos_token" in special_tokens:
+            eos_ids.append(backend.token_to_id(special_tokens["eos_token"]))
+        eos_token_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+        return cls(backend, special_tokens, eos_token_ids, _chat_template(path, config), source=str(path))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids with the model's own BOS/EOS behaviour, like `AutoTokenizer(...)(text)["input_ids"]`."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, rendered_chat: str) -> list[int]:
+        """Ids of a rendered chat: the template already wrote any BOS, so none is added (as transformers does)."""
+        return self.backend.encode(rendered_chat, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included (transformers' `len(tokenizer)`)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_id("bos_token")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation: generation_config.json's, then the tokenizer's eos_token."""
+        return list(self._eos_token_ids)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops: special added tokens and the named ones."""
+        special = {index for index, token in self.backend.get_added_tokens_decoder().items() if token.special}
+        special |= {self.token_id(name) for name in self.special_tokens} - {None}
+        return sorted(special)
+
+    def token_id(self, name: str) -> int | None:
+        """The id of a named special token (`"bos_token"`, `"eos_token"`, ...), or None if the model has none."""
+        token = self.special_tokens.get(name)
+        return None if token is None else self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt text for one conversation (`transformers`' `apply_chat_template(tokenize=False)`)."""
+        if self.chat_template is None:
+            raise ValueError(
+                f"the tokenizer in {self.source} has no chat template (none in tokenizer_config.json, no "
+                "chat_template.jinja); pass a plain prompt instead, or add the model's template to the directory"
+            )
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt, **{**self.special_tokens, **variables}
+        )
+
+
+class IncrementalDetokenizer:
+    """Text of a growing output, emitted piece by piece, in O(new tokens) per call.
+
+    Decoding a token alone is wrong for two reasons: a byte-level token can hold part of a
+    multi-byte character (its decode ends in U+FFFD until the rest arrives), and some tokenizers
+    (sentencepiece's leading-space rule) decode a token differently at the start of a sequence.
+    So, as vLLM does, each step decodes a short window that starts a few tokens back
+    (`prefix`: already emitted, `read` onwards: new) and emits only the difference, holding text
+    back while it ends in an incomplete character.
+    """
+
+    # Prompt tokens kept as the first window's context (vLLM uses the same number).
+    _PROMPT_CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        # window[:read_offset] has been emitted already; it is only context for decoding what follows.
+        context = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
+        self._window = context
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        """Append sampled ids; return the text they finalised (may be empty while a character is incomplete)."""
+        self._window.extend(token_ids)
+        window_text = self._decode(self._window)
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
+            return ""
+        new_text = window_text[len(self._prefix_text) :]
+        # The ids just read become the next window's context; older ones are no longer needed.
+        self._window = self._window[self._read_offset :]
+        self._read_offset = len(self._window)
+        self._prefix_text = self._decode(self._window)
+        self.text += new_text
+        return new_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _bos_eos_post_processor(
+    backend: tokenizers.Tokenizer, special_tokens: dict[str, str], add_bos: bool, add_eos: bool
+) -> processors.TemplateProcessing:
+    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        return [f"{bos}:{type_id}"] * add_bos + [f"${sequence}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos
+
+    return processors.TemplateProcessing(
+        single=template("A", 0),
+        pair=template("A", 0) + template("B", 1),
+        special_tokens=[(bos, backend.token_to_id(bos))] * add_bos + [(eos, backend.token_to_id(eos))] * add_eos,
+    )
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    # transformers 5 saves the template as chat_template.jinja, and prefers it to the config's copy.
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = {entry["name"]: entry["template"] for entry in template}.get("default")
+    return template
+
+
+def _token_content(token: str | dict) -> str:
+    # Older configs store a special token as a serialized AddedToken.
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
