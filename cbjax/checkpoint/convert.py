@@ -1,0 +1,86 @@
+"""`cbjax convert`: a Hugging Face safetensors directory -> an orbax checkpoint directory.
+
+Output layout (`checkpoints/<name>/` by default):
+    params/       orbax checkpoint: nested dict of parameters named by nnx path, in our layout
+    config.json   the HF config, with "dtype" set to the dtype the params were written in
+    tokenizer and generation files, copied unchanged when present
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params
+from cbjax.checkpoint.safetensors_io import count_tensors, iter_tensors, safetensors_files
+from cbjax.config import SUPPORTED_DTYPES, ModelConfig
+
+PARAMS_DIR = "params"
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def resolve_dtype(dtype: str | jnp.dtype | None, config: ModelConfig) -> str:
+    """The dtype name to use: the requested one, else the checkpoint's own."""
+    name = config.dtype if dtype is None else jnp.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: bool = True) -> dict[str, np.ndarray]:
+    """All parameters of an HF directory in our names, layout and dtype: one model copy, built tensor by tensor."""
+    files = safetensors_files(hf_dir)
+    hf_tensors = tqdm(iter_tensors(files), total=count_tensors(files), desc=f"reading {hf_dir.name}",
+                      unit="tensor", disable=not progress)
+    params: dict[str, np.ndarray] = {}
+    for name, array in convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype)):
+        if name in params:
+            raise ValueError(f"tensor {name} appears twice in {hf_dir}; the safetensors shards overlap")
+        params[name] = array
+    found = {name: (array.shape, array.dtype) for name, array in params.items()}
+    check_params(expected_params(config, jnp.dtype(dtype)), found, source=str(hf_dir))
+    return params
+
+
+def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path | None = None, dtype: str | None = None) -> Path:
+    """Convert hf_dir to an orbax checkpoint in out_dir (default checkpoints/<hf_dir name, lowercased>)."""
+    hf_dir = Path(hf_dir)
+    config = ModelConfig.from_dir(hf_dir)
+    dtype = resolve_dtype(dtype, config)
+    out_dir = Path(out_dir) if out_dir is not None else Path("checkpoints") / hf_dir.resolve().name.lower()
+    params_dir = (out_dir / PARAMS_DIR).resolve()
+    if params_dir.exists():
+        raise FileExistsError(f"{params_dir} already exists; delete it or pass another out_dir")
+
+    params = read_hf_params(hf_dir, config, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(params_dir, nest_params(params))
+        checkpointer.wait_until_finished()
+
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config["dtype"] = dtype
+    if "torch_dtype" in hf_config:  # keep 4.x readers consistent with what was written
+        hf_config["torch_dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    for file_name in COPIED_FILES:
+        if (hf_dir / file_name).is_file():
+            shutil.copy2(hf_dir / file_name, out_dir / file_name)
+    return out_dir

@@ -1,0 +1,112 @@
+"""The model's parameter set by name, how Hugging Face tensors map onto it, and the check between them.
+
+Parameters are named by their dotted nnx path (`model.layers.0.self_attn.q_proj.kernel`); the
+orbax checkpoint stores them as the nested dict of those names.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cbjax.config import ModelConfig
+from cbjax.models.llama import LlamaForCausalLM
+
+# Buffers some checkpoints carry that are recomputed from the config, never loaded.
+_RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> LlamaForCausalLM:
+    """The model with shapes and dtypes only: no memory, no random init."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def param_name(path: tuple) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter the model has, by name, with the shape and dtype it must be loaded with."""
+    state = nnx.state(abstract_model(config, dtype), nnx.Param)
+    return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def hf_to_param(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray] | None:
+    """Map one HF tensor to (our name, our layout); None for tensors the model does not load."""
+    if hf_name.endswith(_RECOMPUTED_SUFFIXES):
+        return None
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # some tied checkpoints still store the head; it equals the embedding
+    if hf_name == "model.embed_tokens.weight":
+        return "model.embed_tokens.embedding", tensor
+    if hf_name.endswith(".weight") and tensor.ndim == 2:  # nn.Linear [out, in] -> nnx.Linear kernel [in, out]
+        return hf_name.removesuffix(".weight") + ".kernel", np.ascontiguousarray(tensor.T)
+    return hf_name, tensor
+
+
+def cast_param(name: str, tensor: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
+    if not jnp.issubdtype(tensor.dtype, jnp.floating):
+        raise ValueError(f"tensor {name} has dtype {tensor.dtype}; only floating-point weights are supported")
+    return tensor.astype(np.dtype(dtype), copy=False)
+
+
+def check_params(
+    expected: dict[str, jax.ShapeDtypeStruct],
+    found: dict[str, tuple[tuple[int, ...], np.dtype]],
+    source: str,
+) -> None:
+    """Raise a ValueError naming every missing, extra, mis-shaped or mis-typed tensor."""
+    problems = [f"missing tensor {name} {tuple(spec.shape)}" for name, spec in expected.items() if name not in found]
+    problems += [f"unexpected tensor {name} {shape}" for name, (shape, _) in found.items() if name not in expected]
+    for name, (shape, dtype) in found.items():
+        spec = expected.get(name)
+        if spec is None:
+            continue
+        if tuple(shape) != tuple(spec.shape):
+            problems.append(f"tensor {name} has shape {tuple(shape)}; the model expects {tuple(spec.shape)}")
+        elif np.dtype(dtype) != np.dtype(spec.dtype):
+            problems.append(
+                f"tensor {name} has dtype {np.dtype(dtype)}; the model expects {np.dtype(spec.dtype)} "
+                f"(pass dtype= to cast on load)"
+            )
+    if problems:
+        raise ValueError(f"{source} does not match the model config:\n  " + "\n  ".join(problems))
+
+
+def convert_hf_tensors(
+    hf_tensors: Iterable[tuple[str, np.ndarray]], config: ModelConfig, dtype: jnp.dtype
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Stream HF tensors to (name, array) in our layout and dtype, one at a time."""
+    for hf_name, tensor in hf_tensors:
+        mapped = hf_to_param(hf_name, tensor, config)
+        if mapped is not None:
+            name, array = mapped
+            yield name, cast_param(name, array, dtype)
+
+
+def nest_params(flat: dict[str, object]) -> dict:
+    """{"a.b.c": x} -> {"a": {"b": {"c": x}}}: the tree orbax stores."""
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten_params(tree: dict, prefix: str = "") -> dict[str, object]:
+    """The inverse of nest_params."""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_params(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
