@@ -4,14 +4,25 @@ Backends:
   "xla"              the jnp reference (the CPU serving default)
   "pallas"           compiled Pallas kernels, Triton lowering (GPU)
   "pallas_interpret" the same kernels interpreted on CPU (tests; slow)
+
+"auto" takes "pallas" on a GPU once a probe has compiled and run both kernels
+there (at the model's shapes when given); if that fails it warns with the
+reason and takes "xla", which is correct but several times slower at prefill.
+On a CPU "auto" is "xla".
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 
+import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from kernels_pallas.paged_attention import check_kernel_shapes, paged_decode_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import (
     AttentionMetadata,
     paged_decode_attention_reference,
@@ -23,11 +34,65 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
-def resolve_backend(requested: str = "auto") -> str:
-    """Turn a user's choice ("auto" included) into one of BACKENDS, and log it once."""
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def _probe_pallas(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """Compile and run both kernels on the GPU at these shapes; the reason they can't be used, or None."""
+    try:
+        check_kernel_shapes(num_q_heads, num_kv_heads, head_dim, block_size)
+        k_pages = jnp.zeros((num_kv_heads, 4, block_size, head_dim), jnp.bfloat16)
+        q = jnp.ones((2, num_q_heads, head_dim), jnp.bfloat16)
+        metadata = AttentionMetadata(
+            slot_mapping=jnp.zeros((2,), jnp.int32),
+            query_start_loc=jnp.array([0, 1, 2], jnp.int32),
+            seq_lens=jnp.array([1, block_size + 1], jnp.int32),
+            block_tables=jnp.array([[1, 0], [2, 3]], jnp.int32),
+        )
+        paged_decode_attention(q, k_pages, k_pages, metadata.seq_lens, metadata.block_tables, 1.0).block_until_ready()
+        ragged_paged_attention(q, k_pages, k_pages, metadata, 1.0).block_until_ready()
+    except Exception as e:  # noqa: BLE001 -- any failure means "don't use the kernels", and we report it
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_backend(
+    requested: str = "auto",
+    *,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+) -> str:
+    """Turn a user's choice ("auto" included) into one of BACKENDS, and log it once.
+
+    The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU.
+    """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
+    if requested == "pallas" and not _has_gpu():
+        raise ValueError(
+            f"attention_backend='pallas' needs a CUDA GPU but jax sees {jax.devices()[0].platform}; "
+            "use 'xla' (or 'pallas_interpret' to run the kernels slowly on CPU)"
+        )
     chosen = "xla" if requested == "auto" else requested
+    if requested == "auto" and _has_gpu():
+        problem = _probe_pallas(num_q_heads, num_kv_heads, head_dim, block_size)
+        if problem is None:
+            chosen = "pallas"
+        else:
+            warnings.warn(
+                f"Pallas attention kernels unusable on this GPU ({problem}); falling back to the XLA reference "
+                "attention, which is correct but several times slower at prefill. "
+                "Pass attention_backend='xla' to silence this, or fix the cause above.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     logger.info("attention backend: %s (requested %s)", chosen, requested)
     return chosen
 
@@ -43,10 +108,17 @@ def attention(
     decode_only: bool,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Paged attention of one step's tokens. `decode_only`: token r belongs to request r."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(
                 q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale
             )
         return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale)
-    raise NotImplementedError(f"attention backend {backend!r} is not built yet")
+    interpret = backend == "pallas_interpret"
+    if decode_only:
+        return paged_decode_attention(
+            q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, interpret=interpret
+        )
+    return ragged_paged_attention(q, k_pages, v_pages, metadata, sm_scale, interpret=interpret)
