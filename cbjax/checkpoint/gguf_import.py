@@ -64,22 +64,27 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, max_shard_bytes: int
     reader = GGUFReader(gguf_path)
     metadata = read_metadata(reader)
     check_llama_architecture(metadata, gguf_path)
+    # Everything that can refuse the file runs before the first byte is written.
+    config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
+    tokenizer = build_tokenizer(metadata)
+    for tensor in reader.tensors:
+        hf_tensor_name(tensor.name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
     _write_weights(reader, config, out_dir, max_shard_bytes)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
-    _write_tokenizer_files(metadata, out_dir)
+    _write_tokenizer_files(tokenizer, metadata, out_dir)
     return out_dir
 
 
 def import_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write only tokenizer.json and tokenizer_config.json for `gguf_path` (no weights)."""
     metadata = read_metadata(GGUFReader(gguf_path))
+    tokenizer = build_tokenizer(metadata)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer_files(metadata, out_dir)
+    _write_tokenizer_files(tokenizer, metadata, out_dir)
     return out_dir
 
 
@@ -366,8 +371,8 @@ def _byte_to_unicode() -> dict[int, str]:
     return spelling
 
 
-def _write_tokenizer_files(metadata: dict, out_dir: Path) -> None:
-    build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
+def _write_tokenizer_files(tokenizer: Tokenizer, metadata: dict, out_dir: Path) -> None:
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(metadata))
 
 
