@@ -1,0 +1,8 @@
+"""cbjax: continuous batching over a paged KV cache, in JAX, with Pallas attention kernels."""
+
+from cbjax.engine.config import EngineConfig
+from cbjax.llm import LLM
+from cbjax.outputs import CompletionOutput, RequestOutput
+from cbjax.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]

@@ -1,0 +1,140 @@
+"""`cbjax convert | import-gguf | generate | lower | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine options every serving command takes (vLLM's flag names)."""
+    parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "pallas_interpret", "xla"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compilation-cache-dir", default=None)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    names = (
+        "dtype max_num_seqs max_model_len max_num_batched_tokens block_size num_kv_blocks kv_cache_memory_bytes "
+        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir"
+    ).split()
+    return {name: getattr(args, name) for name in names}
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from cbjax.checkpoint.convert import convert_checkpoint
+
+    out = convert_checkpoint(args.hf_dir, args.out, args.dtype)
+    print(f"converted {args.hf_dir} -> {out}")
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> None:
+    from cbjax.checkpoint.gguf_import import import_gguf
+
+    out = import_gguf(args.gguf_file, args.out_hf_dir)
+    print(f"imported {args.gguf_file} -> {out} (a Hugging Face directory; next: cbjax convert {out})")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from cbjax.engine.config import EngineConfig
+    from cbjax.engine.engine import LLMEngine
+    from cbjax.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.sample_seed
+    )
+    if args.chat is not None:
+        tokenizer = engine.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode_chat(text)}
+    else:
+        prompt = args.prompt
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+
+
+def cmd_lower(args: argparse.Namespace) -> None:
+    from cbjax.engine.config import EngineConfig
+    from cbjax.engine.engine import LLMEngine
+
+    options = engine_options(args) | {"attention_backend": "xla"}
+    engine = LLMEngine(EngineConfig(model=args.model, **options), precompile=False)
+    results = engine.runner.lower_all(args.platform, backend=args.backend)
+    failed = [(bucket, error) for bucket, error in results if error is not None]
+    print(f"lowered {len(results) - len(failed)}/{len(results)} steps for {args.platform} with backend {args.backend}")
+    for bucket, error in failed:
+        print(f"FAILED {bucket.kind} tokens={bucket.num_tokens} requests={bucket.num_reqs}: {error}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbjax", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine decisions (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="Hugging Face safetensors directory -> checkpoints/NAME (orbax)")
+    p.add_argument("hf_dir")
+    p.add_argument("--out", default=None, help="output directory (default checkpoints/<name>)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("import-gguf", help="llama GGUF file -> Hugging Face directory (safetensors + tokenizer)")
+    p.add_argument("gguf_file")
+    p.add_argument("out_hf_dir")
+    p.set_defaults(func=cmd_import_gguf)
+
+    p = sub.add_parser("generate", help="generate for one prompt, streaming tokens as they come")
+    add_engine_args(p)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt")
+    group.add_argument("--chat", help="a user message, rendered with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("lower", help="lower every bucketed step for another platform (no device needed)")
+    add_engine_args(p)
+    p.add_argument("--platform", default="cuda")
+    p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
+    p.set_defaults(func=cmd_lower)
+
+    try:
+        from cbjax.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

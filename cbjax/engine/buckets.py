@@ -1,0 +1,61 @@
+"""Bucket sizes of the precompiled steps: one small pure function, printed at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    """Static shape of one compiled step: `num_tokens` token rows, `num_reqs` request rows."""
+
+    kind: str  # "decode" (one token per request) or "mixed" (ragged prefill chunks + decodes)
+    num_tokens: int
+    num_reqs: int
+
+
+def powers_of_two(start: int, limit: int) -> list[int]:
+    """start, 2*start, ... below limit, then limit itself (so the largest batch always fits)."""
+    sizes, size = [], start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+def compute_buckets(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    *,
+    min_decode_reqs: int = 8,
+    min_mixed_tokens: int = 16,
+) -> list[Bucket]:
+    """All step shapes compiled at start-up.
+
+    Decode steps are bucketed by request count. Mixed steps are bucketed by token
+    count and request count; a mixed step never has more requests than tokens,
+    so those pairs are pruned. Each token bucket gets two request buckets, the
+    smallest and the largest feasible: a mixed step is usually one prompt chunk
+    alone or a chunk beside many decodes, and every extra bucket costs compile
+    time at start-up.
+    """
+    decode = [
+        Bucket("decode", n, n) for n in powers_of_two(min(min_decode_reqs, max_num_seqs), max_num_seqs)
+    ]
+    req_sizes = powers_of_two(min(min_decode_reqs, max_num_seqs), max_num_seqs)
+    mixed = []
+    for num_tokens in powers_of_two(min(min_mixed_tokens, max_num_batched_tokens), max_num_batched_tokens):
+        feasible = [r for r in req_sizes if r <= num_tokens] or [min(num_tokens, max_num_seqs)]
+        mixed += [Bucket("mixed", num_tokens, r) for r in sorted({feasible[0], feasible[-1]})]
+    return decode + mixed
+
+
+def pick_bucket(buckets: list[Bucket], kind: str, num_tokens: int, num_reqs: int) -> Bucket:
+    """The smallest bucket of `kind` that holds the step."""
+    fitting = [b for b in buckets if b.kind == kind and b.num_tokens >= num_tokens and b.num_reqs >= num_reqs]
+    if not fitting:
+        raise ValueError(
+            f"no {kind} bucket holds {num_tokens} tokens / {num_reqs} requests; "
+            f"largest is {max((b for b in buckets if b.kind == kind), default=None)}"
+        )
+    return min(fitting, key=lambda b: (b.num_tokens, b.num_reqs))

@@ -1,0 +1,70 @@
+"""EngineConfig: every engine option in one dataclass, validated once (vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """What `LLM(...)` and `LLMEngine(...)` take; defaults serve a small model on a laptop."""
+
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size (null block included)
+    kv_cache_memory_bytes: int | None = None  # or a byte budget for the pool
+    gpu_memory_utilization: float = 0.9  # or a fraction of device memory (GPU)
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None  # defaults to 512 chunked, else max_model_len
+    attention_backend: str = "auto"  # "auto" | "pallas" | "pallas_interpret" | "xla"
+    seed: int = 0  # seeds requests that bring no seed of their own
+    max_logprobs: int = 20
+    compilation_cache_dir: str | None = None  # persistent XLA compilation cache
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "block_size", "max_logprobs")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
+            )
+
+    def resolve(self, max_position_embeddings: int) -> None:
+        """Fill the defaults that depend on the model, then check the limits against each other."""
+        if self.max_model_len is None:
+            self.max_model_len = min(max_position_embeddings, 2048)
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_position_embeddings}; lower max_model_len"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 512 if self.enable_chunked_prefill else self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
+                f"{self.max_model_len} with enable_chunked_prefill=False, so a long prompt could never run; "
+                "raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                f"{self.max_num_seqs}; every running request needs a token per step; raise it"
+            )

@@ -1,0 +1,182 @@
+"""LLMEngine: add_request / abort_request / step, the loop every front end drives."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+
+from cbjax.checkpoint.loader import load_model
+from cbjax.engine.block_manager import BlockManager
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.kv_sizing import plan_num_blocks
+from cbjax.engine.output_processor import OutputProcessor
+from cbjax.engine.request import Request, RequestStatus
+from cbjax.engine.runner import ModelRunner
+from cbjax.engine.scheduler import Scheduler
+from cbjax.models.llama import kv_cache_bytes_per_block
+from cbjax.outputs import RequestOutput
+from cbjax.sampling_params import SamplingParams
+from cbjax.tokenizer import Tokenizer
+from kernels_pallas.backend import resolve_backend
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler; `step()` advances every running request by one step."""
+
+    def __init__(self, config: EngineConfig, *, precompile: bool = True, progress: bool = True):
+        self.config = config
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        device = jax.devices()[0]
+        dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
+        model, self.model_config = load_model(config.model, dtype=dtype)
+        config.resolve(self.model_config.max_position_embeddings)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
+        mc = self.model_config
+        num_blocks = plan_num_blocks(
+            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, jax.numpy.dtype(dtype)),
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            device=device,
+        )
+        self.backend = resolve_backend(config.attention_backend)
+        self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            block_manager=self.block_manager,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.aborted: list[Request] = []
+        self.num_steps = 0
+        if precompile:
+            start = time.perf_counter()
+            self.runner.precompile(progress=progress)
+            logger.info("compiled %d steps in %.1f s", len(self.runner.buckets), time.perf_counter() - start)
+
+    # ---- requests -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; bad input raises ValueError and leaves the engine as it was."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.requests[request_id] = request
+        self.output_processor.add_request(request, text)
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise ValueError(
+            f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_model_len, vocab = self.config.max_model_len, self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); "
+                "use ids from this model's tokenizer"
+            )
+        if len(token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
+                "(prompt plus at least one output token); raise max_model_len or shorten the prompt"
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}, "
+                f"{len(token_ids) + params.max_tokens} in all; max_model_len is {max_model_len}; "
+                "lower max_tokens, shorten the prompt or raise max_model_len"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}; "
+                "ask for fewer or raise max_logprobs"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its output so far comes back from the next step() with reason "abort"."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.aborted)
+
+    # ---- the loop -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one device step, record the tokens: the outputs of requests that progressed."""
+        outputs = [self._finish_output(request) for request in self.aborted]
+        self.aborted = []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return outputs
+        sampled = self.runner.execute(scheduled)
+        self.num_steps += 1
+        self.scheduler.update(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        for row in scheduled.scheduled:
+            request = row.request
+            if request.request_id not in sampled:
+                continue
+            stop = self.output_processor.process_token(request, sampled[request.request_id])
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = stop
+            outputs.append(self._finish_output(request) if request.is_finished else self.output_processor.make_output(request))
+        return outputs
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        del self.requests[request.request_id]
+        return self.output_processor.make_output(request)
+
+    def get_stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": self.block_manager.num_blocks - 1,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "attention_backend": self.backend,
+            "buckets": len(self.runner.buckets),
+        }

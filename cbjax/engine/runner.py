@@ -1,0 +1,219 @@
+"""ModelRunner: buckets, input packing, precompilation and step dispatch.
+
+Every step is one call of an executable compiled at start-up: the host packs
+the step's metadata into one int32 buffer (one transfer in), the pool is
+donated (updated in place), sampling runs inside the step, and the sampled
+tokens and logprobs come back packed in one buffer (one transfer out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+from tqdm.auto import tqdm
+
+from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
+from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
+from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
+from cbjax.engine.scheduler import SchedulerOutput
+from cbjax.models.llama import init_kv_caches
+from kernels_pallas.reference import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# Width of the per-row list of tokens forbidden while a request is under min_tokens (eos + stop ids).
+SUPPRESS_LEN = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Everything a step reads besides the weights and the pool (numpy on host, arrays in the step)."""
+
+    token_ids: Int[Array, "tokens"]
+    positions: Int[Array, "tokens"]
+    logits_indices: Int[Array, "reqs"]  # last new token of each sampling request, compacted
+    attention: AttentionMetadata
+    sampling: SamplingTensors
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """One request's result of a step, on the host."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]  # empty unless the request asked for logprobs
+    top_logprobs: list[float]
+
+
+def request_seed(engine_seed: int, request_id: str, seed: int | None) -> int:
+    """A request's own seed, or one derived from the engine seed and its id (stable across runs)."""
+    if seed is not None:
+        return seed & 0x7FFFFFFF
+    return zlib.crc32(f"{engine_seed}:{request_id}".encode()) & 0x7FFFFFFF
+
+
+class ModelRunner:
+    """Owns the weights, the KV pool and the compiled steps."""
+
+    def __init__(self, model: nnx.Module, model_config: Any, config: Any, num_blocks: int, backend: str):
+        self.model_config = model_config
+        self.config = config
+        self.backend = backend
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.graphdef, self.state = nnx.split(model)
+        self.dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
+        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, self.dtype)
+        self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
+        self.compiled: dict[Bucket, Any] = {}
+        self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
+        self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
+
+    # ---- shapes -------------------------------------------------------------
+
+    def _host_inputs(self, bucket: Bucket) -> StepInputs:
+        """Zeroed host buffers of one bucket: padded rows attend to nothing and write to the null block."""
+        num_tokens, num_reqs = bucket.num_tokens, bucket.num_reqs
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return StepInputs(
+            token_ids=zeros(num_tokens),
+            positions=zeros(num_tokens),
+            logits_indices=zeros(num_reqs),
+            attention=AttentionMetadata(
+                slot_mapping=zeros(num_tokens),
+                query_start_loc=zeros(num_reqs + 1),
+                seq_lens=zeros(num_reqs),
+                block_tables=zeros(num_reqs, self.max_blocks_per_seq),
+            ),
+            sampling=build_sampling_tensors([], num_reqs, self.config.max_model_len, SUPPRESS_LEN),
+        )
+
+    def _host_outputs(self, bucket: Bucket) -> SamplerOutput:
+        num_reqs, k = bucket.num_reqs, self.config.max_logprobs
+        return SamplerOutput(
+            token_ids=np.zeros((num_reqs,), np.int32),
+            token_logprobs=np.zeros((num_reqs,), np.float32),
+            top_logprob_ids=np.zeros((num_reqs, k), np.int32),
+            top_logprobs=np.zeros((num_reqs, k), np.float32),
+        )
+
+    # ---- the step -----------------------------------------------------------
+
+    def _step_fn(self, bucket: Bucket, backend: str):
+        graphdef, layout, num_logprobs = self.graphdef, self._layouts[bucket], self.config.max_logprobs
+
+        def step(state, kv_caches, packed):
+            inputs: StepInputs = unpack(packed, layout)
+            model = nnx.merge(graphdef, state)
+            logits, kv_caches = model(
+                inputs.token_ids,
+                inputs.positions,
+                kv_caches,
+                inputs.attention,
+                inputs.logits_indices,
+                attention_backend=backend,
+                decode_only=bucket.kind == "decode",
+            )
+            return kv_caches, pack_device(sample(logits, inputs.sampling, num_logprobs))
+
+        return jax.jit(step, donate_argnums=(1,))
+
+    def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
+
+    def precompile(self, progress: bool = True) -> None:
+        """Compile every bucket now, so that serving never compiles."""
+        logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
+        for bucket in tqdm(self.buckets, desc="compiling steps", disable=not progress):
+            lowered = self._step_fn(bucket, self.backend).lower(self.state, self.kv_caches, self._packed_struct(bucket))
+            self.compiled[bucket] = lowered.compile()
+
+    def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
+        """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
+        abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        state, kv_caches = abstract(self.state), abstract(self.kv_caches)
+        results = []
+        for bucket in self.buckets:
+            try:
+                self._step_fn(bucket, backend).trace(state, kv_caches, self._packed_struct(bucket)).lower(
+                    lowering_platforms=(platform,)
+                )
+                results.append((bucket, None))
+            except Exception as error:  # noqa: BLE001 - reported per bucket by the CLI
+                results.append((bucket, error))
+        return results
+
+    # ---- one step -------------------------------------------------------------
+
+    def prepare(self, scheduled: SchedulerOutput) -> tuple[Bucket, StepInputs]:
+        """Pick the bucket and fill its host buffers (numpy only: no device arrays, no compiles)."""
+        rows = scheduled.scheduled
+        kind = "decode" if scheduled.is_decode_only else "mixed"
+        num_tokens = scheduled.num_scheduled_tokens
+        if kind == "decode" and len(rows) > self.config.max_num_seqs:
+            kind = "mixed"
+        bucket = pick_bucket(self.buckets, kind, num_tokens, len(rows))
+        inputs = self._host_inputs(bucket)
+        attn, bs = inputs.attention, self.block_size
+        offset = 0
+        sampling_rows = []
+        for i, row in enumerate(rows):
+            request, start, n = row.request, row.start, row.num_new_tokens
+            end = offset + n
+            positions = np.arange(start, start + n, dtype=np.int32)
+            blocks = np.asarray(request.block_ids, np.int32)
+            inputs.token_ids[offset:end] = request.all_token_ids[start : start + n]
+            inputs.positions[offset:end] = positions
+            attn.slot_mapping[offset:end] = blocks[positions // bs] * bs + positions % bs
+            attn.seq_lens[i] = start + n
+            attn.block_tables[i, : len(blocks)] = blocks
+            offset = end
+            attn.query_start_loc[i + 1] = offset
+            if row.samples:
+                inputs.logits_indices[len(sampling_rows)] = end - 1
+                sampling_rows.append(self._sampling_row(request))
+        attn.query_start_loc[len(rows) + 1 :] = offset
+        sampling = build_sampling_tensors(sampling_rows, bucket.num_reqs, self.config.max_model_len, SUPPRESS_LEN)
+        return bucket, dataclasses.replace(inputs, sampling=sampling)
+
+    def _sampling_row(self, request: Any) -> SamplingRow:
+        params = request.sampling_params
+        suppress: list[int] = []
+        if request.num_output_tokens < params.min_tokens:
+            suppress = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
+        return SamplingRow(
+            params=params,
+            seed=request_seed(self.config.seed, request.request_id, params.seed),
+            counter=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            suppress_token_ids=suppress,
+        )
+
+    def execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; the sampled token of every request that samples in it."""
+        bucket, inputs = self.prepare(scheduled)
+        packed = jax.device_put(pack(inputs))
+        self.kv_caches, result = self.compiled[bucket](self.state, self.kv_caches, packed)
+        out: SamplerOutput = unpack_host(np.asarray(result), self._out_layouts[bucket])
+        sampled = {}
+        for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
+            n = row.request.sampling_params.logprobs or 0
+            sampled[row.request.request_id] = SampledToken(
+                token_id=int(out.token_ids[i]),
+                logprob=float(out.token_logprobs[i]),
+                top_token_ids=out.top_logprob_ids[i, :n].tolist(),
+                top_logprobs=out.top_logprobs[i, :n].tolist(),
+            )
+        return sampled

@@ -1,0 +1,109 @@
+"""LLM: the offline batch API (vLLM's `LLM`), over one LLMEngine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.engine import LLMEngine, Prompt
+from cbjax.outputs import RequestOutput
+from cbjax.sampling_params import SamplingParams
+from cbjax.tokenizer import Tokenizer
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a converted checkpoint, compile every step, then generate for batches of prompts.
+
+    Takes EngineConfig's options by vLLM's names (max_num_seqs, max_model_len,
+    block_size, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization,
+    enable_chunked_prefill, max_num_batched_tokens, attention_backend, seed, ...).
+    """
+
+    def __init__(self, model: str, **options: Any):
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unsupported options {unknown}; supported: {sorted(known - {'model'})}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **options))
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.llm_engine.get_stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt with continuous batching; outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                "pass one SamplingParams or one per prompt"
+            )
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(str(self._next_id))
+                self._next_id += 1
+                engine.add_request(ids[-1], prompt, params)
+        except ValueError:
+            # One bad prompt rejects the call; the ones already queued are withdrawn, nothing leaks.
+            for request_id in ids[:-1]:
+                engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {
+                "prompt": text,
+                "prompt_token_ids": tokenizer.encode_chat(text),
+            }
+            for text in (
+                tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+                for conversation in conversations
+            )
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        start, num_output_tokens = time.perf_counter(), 0
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        num_output_tokens += len(output.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{num_output_tokens / (time.perf_counter() - start):.1f}")
+        return [finished[request_id] for request_id in ids]
