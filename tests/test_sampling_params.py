@@ -1,0 +1,85 @@
+"""SamplingParams: vLLM's defaults, validation that names the field and range, normalisations."""
+
+import dataclasses
+
+import pytest
+
+from cbjax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def test_defaults_match_vllm():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (params.max_tokens, params.min_tokens, params.seed, params.logprobs) == (16, 0, None, None)
+    assert (params.stop, params.stop_token_ids) == ([], [])
+    assert (params.ignore_eos, params.skip_special_tokens, params.include_stop_str_in_output) == (False, True, False)
+    assert not params.greedy and not params.has_penalties
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("n", 2, r"n must be 1"),
+    ("temperature", -0.1, r"temperature must be in \[0, inf\], got -0.1"),
+    ("temperature", float("nan"), r"temperature must be in"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
+    ("top_k", -2, r"top_k must be -1 or 0 \(off\) or >= 1, got -2"),
+    ("top_k", 2.5, r"top_k must be an int, got 2.5"),
+    ("min_p", -0.01, r"min_p must be in \[0, 1\], got -0.01"),
+    ("min_p", 1.01, r"min_p must be in \[0, 1\]"),
+    ("seed", "7", r"seed must be an int"),
+    ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    ("presence_penalty", -2.5, r"presence_penalty must be in \[-2, 2\]"),
+    ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\], got -3.0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be in \(0, inf\], got 0.0"),
+    ("max_tokens", 0, r"max_tokens must be >= 1 \(or None for up to max_model_len\), got 0"),
+    ("min_tokens", -1, r"min_tokens must be >= 0, got -1"),
+    ("min_tokens", 17, r"min_tokens must be <= max_tokens \(16\), got 17"),
+    ("stop", "", r"stop must be a non-empty string"),
+    ("stop", ["ok", 3], r"stop must be a non-empty string"),
+    ("stop_token_ids", [2, -1], r"stop_token_ids must be ints >= 0"),
+    ("logprobs", MAX_LOGPROBS + 1, rf"logprobs must be in \[0, {MAX_LOGPROBS}\].*got {MAX_LOGPROBS + 1}"),
+    ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
+])
+def test_invalid_value_names_the_field_and_range(field, value, expected):
+    with pytest.raises(ValueError, match=expected):
+        SamplingParams(**{field: value})
+
+
+def test_edge_values_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=-2.0,
+                   frequency_penalty=2.0, repetition_penalty=0.01, max_tokens=1, min_tokens=1,
+                   logprobs=MAX_LOGPROBS)
+    SamplingParams(max_tokens=None, min_tokens=10_000)
+
+
+def test_top_k_minus_one_means_off():
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_stop_is_normalised_to_a_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(5, 6)).stop_token_ids == [5, 6]
+
+
+def test_greedy_request_turns_filters_off_like_vllm():
+    params = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
+    assert params.greedy
+    assert (params.top_p, params.top_k, params.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(temperature=1e-6).greedy
+
+
+def test_has_penalties():
+    assert SamplingParams(presence_penalty=0.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+def test_frozen_and_replace_revalidates():
+    params = SamplingParams(max_tokens=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 9
+    assert dataclasses.replace(params, max_tokens=9).max_tokens == 9
+    with pytest.raises(ValueError, match="max_tokens"):
+        dataclasses.replace(params, max_tokens=0)
