@@ -117,9 +117,9 @@ class IncrementalDetokenizer:
     Decoding a token alone is wrong for two reasons: a byte-level token can hold part of a
     multi-byte character (its decode ends in U+FFFD until the rest arrives), and some tokenizers
     (sentencepiece's leading-space rule) decode a token differently at the start of a sequence.
-    So, as vLLM does, each step decodes a short window that starts a few tokens back
-    (`prefix`: already emitted, `read` onwards: new) and emits only the difference, holding text
-    back while it ends in an incomplete character.
+    So, as vLLM does, each step decodes a short window of ids: `window[:read_offset]` was emitted
+    before and is only context, the rest is new. Text is emitted up to the last complete
+    character; the window moves on once it decodes to complete text.
     """
 
     # Prompt tokens kept as the first window's context (vLLM uses the same number).
@@ -129,24 +129,26 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
-        # window[:read_offset] has been emitted already; it is only context for decoding what follows.
-        context = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
-        self._window = context
-        self._read_offset = len(context)
-        self._prefix_text = self._decode(context)
+        self._window = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
+        self._read_offset = len(self._window)
+        self._context_text = self._decode(self._window)
+        self._emitted_chars = 0  # of the window's text after `_context_text`, while it still ends incomplete
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
-        """Append sampled ids; return the text they finalised (may be empty while a character is incomplete)."""
+        """Append sampled ids; return the text they finalised (empty while it is only part of a character)."""
         self._window.extend(token_ids)
         window_text = self._decode(self._window)
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
-            return ""
-        new_text = window_text[len(self._prefix_text) :]
-        # The ids just read become the next window's context; older ones are no longer needed.
-        self._window = self._window[self._read_offset :]
-        self._read_offset = len(self._window)
-        self._prefix_text = self._decode(self._window)
+        complete = not window_text.endswith("\ufffd")
+        new_text = window_text.rstrip("\ufffd")[len(self._context_text) + self._emitted_chars :]
         self.text += new_text
+        if not complete:
+            self._emitted_chars += len(new_text)
+        # Move on only past real text: a window of skipped special tokens is no context for what follows.
+        elif len(window_text) > len(self._context_text):
+            self._window = self._window[self._read_offset :]
+            self._read_offset = len(self._window)
+            self._context_text = self._decode(self._window)
+            self._emitted_chars = 0
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:

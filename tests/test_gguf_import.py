@@ -40,9 +40,12 @@ TRAINING_TEXT = [
 
 
 def train_tiny_bpe() -> tuple[list[str], list[str]]:
-    """A small byte-level BPE vocabulary (tokens in id order) and its merges."""
+    """A small byte-level BPE vocabulary (tokens in id order) and its merges, learned with digits
+    isolated as SmolLM2's was (so, like the real file, it has no multi-digit tokens)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     trainer = trainers.BpeTrainer(
         vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
