@@ -40,15 +40,15 @@ def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: b
             for name, meta in stored.items()
         }
         check_params(expected, found, source=str(params_dir))
-        params = flatten_params(checkpointer.restore(params_dir.resolve()))
-    return {name: np.asarray(array).astype(jnp.dtype(dtype), copy=False) for name, array in params.items()}
+        return flatten_params(checkpointer.restore(params_dir.resolve()))
 
 
 def _fill_model(config: ModelConfig, dtype: str, params: dict[str, np.ndarray]) -> LlamaForCausalLM:
-    """Place checked params into the abstract model; each host array is released once on device."""
+    """Place checked params into the abstract model, casting one tensor at a time; each host array is
+    released once it is on device, so at most one extra tensor is alive beyond one model copy."""
     graphdef, abstract_state = nnx.split(abstract_model(config, jnp.dtype(dtype)))
     filled = [
-        (path, variable.replace(jnp.asarray(params.pop(param_name(path)))))
+        (path, variable.replace(jnp.asarray(params.pop(param_name(path)), dtype=dtype)))
         for path, variable in nnx.to_flat_state(abstract_state)
     ]
     return nnx.merge(graphdef, nnx.from_flat_state(filled))

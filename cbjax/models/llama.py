@@ -98,7 +98,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, metadata, *, attention_backend, decode_only):
+    def __call__(
+        self,
+        x: Float[Array, "tokens hidden"],
+        positions: Int[Array, "tokens"],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        *,
+        attention_backend: str,
+        decode_only: bool,
+    ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         attn_out, kv_cache = self.self_attn(
             self.input_layernorm(x), positions, kv_cache, metadata,
             attention_backend=attention_backend, decode_only=decode_only,
