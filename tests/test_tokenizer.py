@@ -5,8 +5,6 @@ Runs on the tiny GGUF of tests/test_gguf_import.py and, when it is on disk, on t
 """
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import regex
@@ -14,9 +12,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from cbjax.checkpoint.gguf_import import import_gguf, import_gguf_tokenizer
-from cbjax.checkpoint.smollm2 import GGUF_MEMBER, WHEEL_NAME, fetch_smollm2_gguf
 from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
-from test_gguf_import import write_tiny_llama_gguf
+from test_gguf_import import real_gguf_path, write_tiny_llama_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,15 +42,6 @@ CONVERSATIONS = [
 ]
 # llama.cpp's `smollm` pre-tokenizer (llama-vocab.cpp): isolate each digit, then GPT-2's split.
 LLAMA_CPP_SMOLLM_SPLITS = [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"]
-
-
-def real_gguf_path() -> Path | None:
-    if os.environ.get("CBJAX_SMOLLM2_GGUF"):
-        return Path(os.environ["CBJAX_SMOLLM2_GGUF"])
-    downloads = Path(__file__).resolve().parent.parent / "downloads"
-    if (downloads / Path(GGUF_MEMBER).name).is_file() or (downloads / WHEEL_NAME).is_file():
-        return fetch_smollm2_gguf(downloads)  # at most unpacks the wheel already there
-    return None
 
 
 @pytest.fixture(scope="module")
