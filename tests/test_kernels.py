@@ -10,6 +10,7 @@ head_dim, block size, dtype, split-K and tile sizes vary across the cases.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cbjax.bench import kernels as kernel_bench
 from kernels_pallas.backend import attention, resolve_backend
 from kernels_pallas.paged_attention import paged_decode_attention
 from kernels_pallas.ragged_attention import query_tiles, ragged_paged_attention
@@ -245,3 +247,14 @@ def test_interpreted_backend_equals_xla_backend(decode_only: bool):
         for backend in ("pallas_interpret", "xla")
     ]
     assert_matches(*outs, case.dtype)
+
+
+def test_kernel_benchmark_needs_a_gpu_or_dry_run(tmp_path, capsys):
+    if jax.default_backend() == "cpu":
+        with pytest.raises(SystemExit):
+            kernel_bench.main(["--out", str(tmp_path / "bench.json")])
+        assert "pass --dry-run" in capsys.readouterr().err
+    out = tmp_path / "dry.json"
+    assert kernel_bench.main(["--dry-run", "--max-seconds", "0", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] and report["copy_gbps"] > 0 and report["tests"]["summary"] == "not run"
