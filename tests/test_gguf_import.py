@@ -112,7 +112,7 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama", add_bos: bool = False,
-                          pre: str = "smollm") -> dict[str, np.ndarray]:
+                          pre: str = "smollm", skip_tensor: str | None = None) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF from random HF weights; returns the weights a correct import gives back
     (the HF originals, passed through the same quantize/dequantize the file holds)."""
     tokens, merges = train_tiny_bpe()
@@ -145,6 +145,8 @@ def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama
     expected = {}
     for hf_name, weight in tiny_llama_weights(len(tokens), tied).items():
         name = gguf_name(hf_name)
+        if name == skip_tensor:
+            continue
         kind = name.split(".", 2)[-1] if name.startswith("blk.") else name
         stored = weight
         if kind in ("attn_q.weight", "attn_k.weight"):
@@ -277,3 +279,9 @@ def test_real_smollm2_import_equals_transformers_gguf_loader(tmp_path):
     assert set(weights) == set(reference)
     for name, weight in weights.items():
         np.testing.assert_array_equal(weight, reference[name].float().numpy(), err_msg=name)
+
+
+def test_missing_layer_tensor_is_refused(tmp_path):
+    write_tiny_llama_gguf(tmp_path / "short.gguf", skip_tensor="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        import_gguf(tmp_path / "short.gguf", tmp_path / "hf")

@@ -67,8 +67,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, max_shard_bytes: int
     # Everything that can refuse the file runs before the first byte is written.
     config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
     tokenizer = build_tokenizer(metadata)
-    for tensor in reader.tensors:
-        hf_tensor_name(tensor.name)
+    check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_weights(reader, config, out_dir, max_shard_bytes)
@@ -188,6 +187,19 @@ def hf_tensor_name(gguf_name: str) -> str:
         f"GGUF tensor {gguf_name!r} has no Llama counterpart; known names are {sorted(_GLOBAL_TENSORS)} "
         f"and blk.N.{{{', '.join(_LAYER_TENSORS)}}}; this file is not a plain Llama model"
     )
+
+
+def check_tensors(gguf_names: list[str], num_layers: int) -> None:
+    """Every tensor has a Llama name, and every tensor a Llama model needs is there."""
+    present = {hf_tensor_name(name) for name in gguf_names}
+    needed = {_GLOBAL_TENSORS[name] for name in ("token_embd.weight", "output_norm.weight")}
+    needed |= {f"model.layers.{layer}.{name}" for layer in range(num_layers) for name in _LAYER_TENSORS.values()}
+    missing = sorted(needed - present)
+    if missing:
+        raise ValueError(
+            f"the GGUF file lacks {len(missing)} tensors a {num_layers}-layer Llama needs, e.g. {missing[:3]}; "
+            "the file is incomplete or not a plain Llama model"
+        )
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
