@@ -42,23 +42,16 @@ class Tokenizer:
             )
         backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
-        special_tokens_map = _read_json(path / "special_tokens_map.json")
-        special_tokens = {
-            name: _token_content(config.get(name) or special_tokens_map.get(name))
-            for name in _NAMED_SPECIAL_TOKENS
-            if config.get(name) or special_tokens_map.get(name)
-        }
+        special_tokens = _named_special_tokens(config, _read_json(path / "special_tokens_map.json"))
         # transformers rebuilds the post-processor when the config states either flag (and keeps tokenizer.json's otherwise).
         if "add_bos_token" in config or "add_eos_token" in config:
             backend.post_processor = _bos_eos_post_processor(
                 backend, special_tokens, config.get("add_bos_token", False), config.get("add_eos_token", False)
             )
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-
         generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
         eos_ids = generation_eos if isinstance(generation_eos, list) else [generation_eos]
-        if "eos_token" in special_tokens:
-            eos_ids.append(backend.token_to_id(special_tokens["eos_token"]))
+        eos_ids.append(backend.token_to_id(special_tokens["eos_token"]) if "eos_token" in special_tokens else None)
         eos_token_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
         return cls(backend, special_tokens, eos_token_ids, _chat_template(path, config), source=str(path))
 
@@ -181,9 +174,15 @@ def _chat_template(path: Path, config: dict) -> str | None:
     return template
 
 
-def _token_content(token: str | dict) -> str:
-    # Older configs store a special token as a serialized AddedToken.
-    return token["content"] if isinstance(token, dict) else token
+def _named_special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str]:
+    """`{"bos_token": "<s>", ...}` from tokenizer_config.json, else special_tokens_map.json."""
+    special_tokens = {}
+    for name in _NAMED_SPECIAL_TOKENS:
+        token = config.get(name) or special_tokens_map.get(name)
+        if token:
+            # Older files store a special token as a serialized AddedToken.
+            special_tokens[name] = token["content"] if isinstance(token, dict) else token
+    return special_tokens
 
 
 def _read_json(path: Path) -> dict:

@@ -208,3 +208,19 @@ def _llama_cpp_pieces(text: str) -> list[str]:
 def _byte_level_spelling(piece: str) -> str:
     """The piece's bytes in byte-level BPE's alphabet, as the `tokenizers` library spells them."""
     return "".join(spelled for spelled, _ in pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(piece))
+
+
+def test_from_dir_reads_transformers_side_files(tiny, tmp_path):
+    # The layout transformers 5 saves: special tokens as serialized AddedTokens, the template in its own file.
+    config = json.loads((tiny[1] / "tokenizer_config.json").read_text())
+    del config["chat_template"], config["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text((tiny[1] / "tokenizer.json").read_text())
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>", "special": True}}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{{ eos_token }}{% endfor %}")
+    ours, reference = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.eos_token_ids == [0, 2]
+    assert ours.token_id("eos_token") == reference.eos_token_id == 2
+    conversation = CONVERSATIONS[1]
+    assert ours.apply_chat_template(conversation) == reference.apply_chat_template(conversation, tokenize=False)
