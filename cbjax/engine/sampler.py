@@ -7,9 +7,12 @@ output index of the token, so a seeded request samples the same tokens whatever
 else is in the batch, at whatever row, however it was scheduled.
 
 Expensive stages sit behind `lax.cond` on "does any row use this": an all-greedy
-batch without penalties costs about an argmax. Top-k and top-p find each row's
-cutoff logit by bisection on the float bits (32 passes of compare-and-sum)
-instead of sorting the vocabulary, which is two orders of magnitude slower on CPU.
+batch without penalties costs about an argmax. Sorting the vocabulary is far too
+slow on CPU (seconds for 256 x 49152), so top-k and top-p find each row's cutoff
+logit among its best _TOP_CANDIDATES logits (lax.top_k) and, only when some
+row's kept set is larger, by exact bisection on the float bits over the whole
+vocabulary. Tokens tied with the cutoff are all kept. Sampling draws one uniform
+per row and walks a two-level (block, then token) CDF.
 """
 
 from dataclasses import dataclass
