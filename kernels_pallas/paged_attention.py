@@ -116,9 +116,8 @@ def _decode_kernel(
 
 
 def default_num_splits(num_reqs: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Enough KV partitions that requests x kv_heads x splits reaches TARGET_PROGRAMS (a power of two)."""
-    wanted = pl.cdiv(TARGET_PROGRAMS, num_reqs * num_kv_heads)
-    return max(1, min(pl.next_power_of_2(wanted), pl.next_power_of_2(max_tiles)))
+    """Enough KV partitions that requests x kv_heads x splits reaches TARGET_PROGRAMS, at most one per tile."""
+    return max(1, min(pl.cdiv(TARGET_PROGRAMS, num_reqs * num_kv_heads), max_tiles))
 
 
 def combine_splits(

@@ -1,4 +1,4 @@
-"""GPU benchmark of the paged-attention kernels: `python -m cbjax.bench.kernels --out kernels.json`.
+"""GPU benchmark of the paged-attention kernels: `PYTHONPATH=. python -m cbjax.bench.kernels --out kernels.json`.
 
 One call, a few minutes on an H100/H200:
   1. runs the gpu-marked kernel tests (pytest -m gpu, in a subprocess);
