@@ -7,7 +7,6 @@ Runs on the tiny GGUF of tests/test_gguf_import.py and, when it is on disk, on t
 import json
 
 import pytest
-import regex
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -16,6 +15,7 @@ from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
 from test_gguf_import import real_gguf_path, write_tiny_llama_gguf
 
 transformers = pytest.importorskip("transformers")
+regex = pytest.importorskip("regex")  # ships with transformers; Unicode classes for llama.cpp's split rules
 
 TEXTS = [
     "Once upon a time",
