@@ -205,7 +205,7 @@ def test_suppressed_tokens_are_never_sampled():
 def test_logprobs_are_raw_log_softmax_with_top_n_in_order():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(BATCH, VOCAB)).astype(np.float32) * 3
-    params = SamplingParams(temperature=0.5, repetition_penalty=1.7, top_k=3)
+    params = SamplingParams(temperature=0.5, repetition_penalty=1.7, top_k=3, logprobs=5)
     rows = [SamplingRow(params, i, 0, [0, 1, 2], [], suppress_token_ids=[5]) for i in range(BATCH)]
     tensors = build_sampling_tensors(rows, BATCH, HISTORY_LEN, SUPPRESS_LEN)
     out = sample_jit(jnp.asarray(logits), tensors, num_logprobs=5)
@@ -213,6 +213,11 @@ def test_logprobs_are_raw_log_softmax_with_top_n_in_order():
     tokens = np.asarray(out.token_ids)
     np.testing.assert_allclose(np.asarray(out.token_logprobs), raw[np.arange(BATCH), tokens], rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(out.top_logprob_ids), np.argsort(-raw, axis=-1)[:, :5])
+    # A batch where no request asked for logprobs skips computing them (they come back zero).
+    plain = build_sampling_tensors([r._replace(params=SamplingParams(temperature=0.5)) for r in rows],
+                                   BATCH, HISTORY_LEN, SUPPRESS_LEN)
+    skipped = sample_jit(jnp.asarray(logits), plain, num_logprobs=5)
+    assert not np.asarray(skipped.top_logprobs).any() and not np.asarray(skipped.token_logprobs).any()
     np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-raw, axis=-1)[:, :5], rtol=1e-6)
     assert sample_jit(jnp.asarray(logits), tensors).top_logprobs is None
 

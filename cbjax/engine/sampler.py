@@ -15,6 +15,7 @@ vocabulary. Tokens tied with the cutoff are all kept. Sampling draws one uniform
 per row and walks a two-level (block, then token) CDF.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -47,6 +48,7 @@ class SamplingTensors:
     token_history: Int[HostOrDevice, "S L"]  # prompt then output ids, -1 padded; penalty rows only
     prompt_lens: Int[HostOrDevice, "S"]  # history[:prompt_len] is prompt, the rest output
     suppress_token_ids: Int[HostOrDevice, "S K"]  # forbidden this step (min_tokens), -1 padded
+    wants_logprobs: Int[HostOrDevice, "S"]  # 1 where the request asked for logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -119,6 +121,7 @@ def build_sampling_tensors(
         token_history=token_history,
         prompt_lens=prompt_lens,
         suppress_token_ids=suppress,
+        wants_logprobs=_column([int(p.logprobs is not None) for p in params], num_rows_padded, np.int32, 0),
     )
 
 
@@ -269,7 +272,29 @@ def sample(logits: Float[Array, "S V"], t: SamplingTensors, num_logprobs: int | 
                              processed, t, greedy_ids)
     if num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
+    # A log_softmax and top-k over the vocabulary cost as much as the rest of the sampler: skip
+    # them unless some row asked for logprobs.
+    token_logprobs, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(t.wants_logprobs > 0),
+        functools.partial(_logprobs, num_logprobs=num_logprobs),
+        functools.partial(_no_logprobs, num_logprobs=num_logprobs),
+        raw,
+        token_ids,
+    )
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
+
+
+def _logprobs(raw: Float[Array, "S V"], token_ids: Int[Array, "S"], num_logprobs: int):
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     token_logprobs = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    return SamplerOutput(token_ids, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _no_logprobs(raw: Float[Array, "S V"], token_ids: Int[Array, "S"], num_logprobs: int):
+    num_rows = raw.shape[0]
+    return (
+        jnp.zeros((num_rows,), jnp.float32),
+        jnp.zeros((num_rows, num_logprobs), jnp.int32),
+        jnp.zeros((num_rows, num_logprobs), jnp.float32),
+    )
