@@ -59,6 +59,70 @@ def check_kernel_shapes(num_q_heads: int, num_kv_heads: int, head_dim: int, bloc
         )
 
 
+def check_pool(q_head_dim: int, k_pages: Array, v_pages: Array) -> None:
+    """The K and V pools agree with each other and with q."""
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ")
+    if k_pages.shape[3] != q_head_dim:
+        raise ValueError(f"q has head_dim {q_head_dim} but the pool has {k_pages.shape[3]}; they must match")
+
+
+def pick_pages_per_tile(pages_per_tile: int | None, block_size: int, default_tokens: int) -> int:
+    """Pages per online-softmax step: `default_tokens` worth unless given; a power of two, >= 16 tokens."""
+    if pages_per_tile is None:
+        pages_per_tile = max(pl.cdiv(MIN_DOT, block_size), default_tokens // block_size, 1)
+    if not _is_pow2(pages_per_tile) or pages_per_tile * block_size < MIN_DOT:
+        raise ValueError(
+            f"pages_per_tile={pages_per_tile} with block_size={block_size} gives tiles of "
+            f"{pages_per_tile * block_size} tokens; use a power of two with at least {MIN_DOT} tokens per tile"
+        )
+    return pages_per_tile
+
+
+def load_kv_tile(k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, page0, seq_len, pages_per_tile: int):
+    """K and V [tile, D] from pages page0... of request `req`, zero past seq_len, and their positions.
+
+    Pages past the sequence read the null block, whatever the table holds there; what lies past
+    seq_len is zeroed because 0 * NaN garbage would still be NaN in the dots.
+    """
+    _, _, block_size, head_dim = k_pages_ref.shape
+    tile_len = pages_per_tile * block_size
+    page_idx = page0 + jnp.arange(pages_per_tile, dtype=jnp.int32)
+    in_seq_pages = page_idx < pl.cdiv(seq_len, block_size)
+    pages = jnp.where(in_seq_pages, block_tables_ref[req, pl.ds(page0, pages_per_tile)], 0)
+    k = k_pages_ref[kv_head, pages].reshape(tile_len, head_dim)
+    v = v_pages_ref[kv_head, pages].reshape(tile_len, head_dim)
+    kv_pos = page0 * block_size + jnp.arange(tile_len, dtype=jnp.int32)
+    in_seq = kv_pos < seq_len
+    k = jnp.where(in_seq[:, None], k, jnp.zeros_like(k))
+    v = jnp.where(in_seq[:, None], v, jnp.zeros_like(v))
+    return k, v, kv_pos
+
+
+def init_softmax_carry(rows: int, head_dim: int):
+    """Running max (-inf), sum and unnormalised output of an online softmax, all f32."""
+    return (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+
+
+def online_softmax_step(carry, q, k, v, visible, sm_scale: float):
+    """Fold one K/V tile [tile, D] into the running softmax of q's rows; `visible` [rows, tile] masks scores.
+
+    The caller guarantees each row's first folded tile has a visible key, so the running max is finite.
+    """
+    m, l, acc = carry
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = jnp.where(visible, s * sm_scale, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
+
+
 def _decode_kernel(
     seq_lens_ref,  # [R] int32, whole array (pl.ANY)
     block_tables_ref,  # [R, P] int32, whole array (pl.ANY)
@@ -74,42 +138,20 @@ def _decode_kernel(
 ):
     req, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, block_size, head_dim = k_pages_ref.shape
-    tile_len = pages_per_tile * block_size
     seq_len = seq_lens_ref[req]
-    num_pages = pl.cdiv(seq_len, block_size)
     first_page = split * pages_per_split
     # Every tile visited holds at least one key below seq_len, so the running max is finite after it.
-    num_tiles = pl.cdiv(jnp.clip(num_pages - first_page, 0, pages_per_split), pages_per_tile)
+    num_tiles = pl.cdiv(jnp.clip(pl.cdiv(seq_len, block_size) - first_page, 0, pages_per_split), pages_per_tile)
     q = q_ref[...]
 
     def one_tile(t, carry):
-        m, l, acc = carry
         page0 = first_page + t * pages_per_tile
-        page_idx = page0 + jnp.arange(pages_per_tile, dtype=jnp.int32)
-        # Pages past the sequence read the null block, whatever the table holds there.
-        pages = jnp.where(page_idx < num_pages, block_tables_ref[req, pl.ds(page0, pages_per_tile)], 0)
-        k = k_pages_ref[kv_head, pages].reshape(tile_len, head_dim)
-        v = v_pages_ref[kv_head, pages].reshape(tile_len, head_dim)
-        valid = page0 * block_size + jnp.arange(tile_len, dtype=jnp.int32) < seq_len
-        # Zero what lies past the sequence: 0 * NaN garbage would still be NaN in the dots.
-        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)  # [G, tile_len]
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = alpha * l + p.sum(axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, l, alpha[:, None] * acc + pv
+        k, v, kv_pos = load_kv_tile(
+            k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, page0, seq_len, pages_per_tile
+        )
+        return online_softmax_step(carry, q, k, v, (kv_pos < seq_len)[None, :], sm_scale)
 
-    group = q.shape[0]
-    init = (
-        jnp.full((group,), -jnp.inf, jnp.float32),
-        jnp.zeros((group,), jnp.float32),
-        jnp.zeros((group, head_dim), jnp.float32),
-    )
-    m, l, acc = jax.lax.fori_loop(0, num_tiles, one_tile, init)
+    m, l, acc = jax.lax.fori_loop(0, num_tiles, one_tile, init_softmax_carry(q.shape[0], head_dim))
     saw_keys = l > 0
     o_ref[...] = (acc / jnp.where(saw_keys, l, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(saw_keys, m + jnp.log(jnp.where(saw_keys, l, 1.0)), -jnp.inf)
@@ -159,23 +201,14 @@ def paged_decode_attention(
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     check_kernel_shapes(num_q_heads, num_kv_heads, head_dim, block_size)
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ")
-    if k_pages.shape[3] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the pool has {k_pages.shape[3]}; they must match")
+    check_pool(head_dim, k_pages, v_pages)
     if seq_lens.shape != (num_reqs,) or block_tables.shape[0] != num_reqs:
         raise ValueError(
             f"q has {num_reqs} requests but seq_lens is {seq_lens.shape} and block_tables {block_tables.shape}; "
             "give one seq_len and one block-table row per query token"
         )
     max_blocks = block_tables.shape[1]
-    if pages_per_tile is None:
-        pages_per_tile = max(pl.cdiv(MIN_DOT, block_size), 128 // block_size, 1)
-    if not _is_pow2(pages_per_tile) or pages_per_tile * block_size < MIN_DOT:
-        raise ValueError(
-            f"pages_per_tile={pages_per_tile} with block_size={block_size} gives tiles of "
-            f"{pages_per_tile * block_size} tokens; use a power of two with at least {MIN_DOT} tokens per tile"
-        )
+    pages_per_tile = pick_pages_per_tile(pages_per_tile, block_size, default_tokens=128)
     max_tiles = pl.cdiv(max_blocks, pages_per_tile)
     if num_splits is None:
         num_splits = default_num_splits(num_reqs, num_kv_heads, max_tiles)

@@ -33,7 +33,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.paged_attention import MIN_DOT, check_kernel_shapes
+from kernels_pallas.paged_attention import (
+    MIN_DOT,
+    check_kernel_shapes,
+    check_pool,
+    init_softmax_carry,
+    load_kv_tile,
+    online_softmax_step,
+    pick_pages_per_tile,
+)
 from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "query_tiles"]
@@ -88,42 +96,19 @@ def _ragged_kernel(
     first_pos = seq_len - q_len + tile * block_q  # absolute position of the tile's first token
     tile_start = q_start + tile * block_q
 
-    token = jnp.arange(rows, dtype=jnp.int32) // group  # token of each score row
-    row_pos = first_pos + token
-    num_pages = pl.cdiv(seq_len, block_size)
+    row_pos = first_pos + jnp.arange(rows, dtype=jnp.int32) // group  # position of each score row's token
     # Keys up to the tile's last real token; kv tile 0 holds position 0, a key every row may see.
     num_kv_tiles = jnp.where(num_rows > 0, pl.cdiv(first_pos + num_rows, block_kv), 0)
-
     q = q_ref[pl.ds(tile_start, block_q), kv_head].reshape(rows, head_dim)
 
     def one_tile(t, carry):
-        m, l, acc = carry
-        page0 = t * pages_per_tile
-        page_idx = page0 + jnp.arange(pages_per_tile, dtype=jnp.int32)
-        pages = jnp.where(page_idx < num_pages, block_tables_ref[req, pl.ds(page0, pages_per_tile)], 0)
-        k = k_pages_ref[kv_head, pages].reshape(block_kv, head_dim)
-        v = v_pages_ref[kv_head, pages].reshape(block_kv, head_dim)
-        kv_pos = page0 * block_size + jnp.arange(block_kv, dtype=jnp.int32)
-        in_seq = kv_pos < seq_len
-        # Zero what lies past the sequence: 0 * NaN garbage would still be NaN in the dots.
-        k = jnp.where(in_seq[:, None], k, jnp.zeros_like(k))
-        v = jnp.where(in_seq[:, None], v, jnp.zeros_like(v))
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        visible = in_seq[None, :] & (kv_pos[None, :] <= row_pos[:, None])
-        s = jnp.where(visible, s * sm_scale, -jnp.inf)  # [rows, block_kv]
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = alpha * l + p.sum(axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, l, alpha[:, None] * acc + pv
+        k, v, kv_pos = load_kv_tile(
+            k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, t * pages_per_tile, seq_len, pages_per_tile
+        )
+        visible = (kv_pos[None, :] < seq_len) & (kv_pos[None, :] <= row_pos[:, None])
+        return online_softmax_step(carry, q, k, v, visible, sm_scale)
 
-    init = (
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init)
+    _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init_softmax_carry(rows, head_dim))
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(block_q, group, head_dim)
     is_mine = jnp.arange(block_q, dtype=jnp.int32) < num_rows
     pltriton.store(
@@ -159,10 +144,7 @@ def ragged_paged_attention(
     num_kv_heads, _, block_size, _ = k_pages.shape
     num_reqs, max_blocks = metadata.block_tables.shape
     check_kernel_shapes(num_q_heads, num_kv_heads, head_dim, block_size)
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ")
-    if k_pages.shape[3] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the pool has {k_pages.shape[3]}; they must match")
+    check_pool(head_dim, k_pages, v_pages)
     if metadata.query_start_loc.shape != (num_reqs + 1,) or metadata.seq_lens.shape != (num_reqs,):
         raise ValueError(
             f"block_tables has {num_reqs} rows, so query_start_loc must be ({num_reqs + 1},) and seq_lens "
@@ -177,13 +159,7 @@ def ragged_paged_attention(
             f"block_q={block_q} with {group_pad} query heads per KV head gives {block_q * group_pad} score rows; "
             f"use a power of two giving at least {MIN_DOT} rows"
         )
-    if pages_per_tile is None:
-        pages_per_tile = max(pl.cdiv(MIN_DOT, block_size), 64 // block_size, 1)
-    if pages_per_tile & (pages_per_tile - 1) or pages_per_tile * block_size < MIN_DOT:
-        raise ValueError(
-            f"pages_per_tile={pages_per_tile} with block_size={block_size} gives kv tiles of "
-            f"{pages_per_tile * block_size} tokens; use a power of two with at least {MIN_DOT} tokens per tile"
-        )
+    pages_per_tile = pick_pages_per_tile(pages_per_tile, block_size, default_tokens=64)
     # Null-block padding so the last kv tile's block-table read stays inside the row.
     block_tables = jnp.pad(metadata.block_tables, ((0, 0), (0, -max_blocks % pages_per_tile)))
     tile_req, tile_idx = query_tiles(metadata.query_start_loc, num_tokens, block_q)

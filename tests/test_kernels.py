@@ -113,6 +113,15 @@ def mixed_batch(block_size: int) -> tuple[list[int], list[int], int]:
     return list(q_lens), list(seq_lens), sum(q_lens) + 3
 
 
+def ragged_metadata(q_lens: list[int], seq_lens: list[int], block_tables: jax.Array, num_tokens: int):
+    return AttentionMetadata(
+        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        seq_lens=jnp.asarray(seq_lens, jnp.int32),
+        block_tables=block_tables,
+    )
+
+
 def assert_matches(out: jax.Array, ref: jax.Array, dtype: str) -> None:
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "kernel output has NaN/inf: it read garbage it should have masked"
@@ -144,12 +153,7 @@ class TestKernelsEqualReference:
         q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
         k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
         q = random_q(rng, case, num_tokens)
-        metadata = AttentionMetadata(
-            slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
-            query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-            seq_lens=jnp.asarray(seq_lens, jnp.int32),
-            block_tables=block_tables,
-        )
+        metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
         out = ragged_paged_attention(q, k_pages, v_pages, metadata, SM_SCALE, interpret=interpret, **case.tiles)
         ref = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE)
         assert out.dtype == q.dtype and out.shape == q.shape
@@ -236,12 +240,7 @@ def test_interpreted_backend_equals_xla_backend(decode_only: bool):
     q_lens, seq_lens, num_tokens = ([1] * 4, [1, 7, 9, 32], 4) if decode_only else mixed_batch(8)
     k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
     q = random_q(rng, case, num_tokens)
-    metadata = AttentionMetadata(
-        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
-        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-        seq_lens=jnp.asarray(seq_lens, jnp.int32),
-        block_tables=block_tables,
-    )
+    metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
     outs = [
         attention(q, k_pages, v_pages, metadata, SM_SCALE, backend=backend, decode_only=decode_only)
         for backend in ("pallas_interpret", "xla")
