@@ -52,7 +52,13 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
         )
-        self.backend = resolve_backend(config.attention_backend)
+        self.backend = resolve_backend(
+            config.attention_backend,
+            num_q_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+        )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
