@@ -84,3 +84,16 @@ def test_serve_stamps_every_token_and_reports_vllm_metrics(recorder):
     metrics = serving_metrics(timelines, duration)
     assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 11)
     assert max(r.num_running for r in recorder.records) <= 2
+
+
+def test_paged_capacity_simulation_admits_by_blocks_not_max_model_len():
+    from cbjax.bench.experiments import simulate_paged
+
+    # 6 requests of 8 prompt + 8 output tokens, blocks of 8, 8 usable blocks: every prompt fits in one
+    # block (6 admitted at once), then growth into second blocks forces preemptions; contiguous
+    # max_model_len=64 preallocation would fit 8 * 8 // 64 = 1.
+    result = simulate_paged(synthetic([8] * 6, prompt_len=8), num_blocks=9, block_size=8, max_model_len=64,
+                            max_num_seqs=16, max_num_batched_tokens=64)
+    assert result["paged_max_concurrent"] == 6
+    assert result["paged_preemptions"] > 0
+    assert 0 <= result["paged_kv_waste_all_steps"] < 1

@@ -95,7 +95,7 @@ def median_by(runs: list[dict[str, Any]], group: str, keys: list[str]) -> dict[s
 
 THROUGHPUT_KEYS = [
     "output_throughput", "total_token_throughput", "elapsed_time", "useful_slot_occupancy",
-    "mean_step_occupancy", "peak_kv_usage", "kv_waste", "num_preemptions", "num_steps", "mean_step_ms",
+    "mean_step_occupancy", "decode_step_occupancy", "peak_kv_usage", "kv_waste", "num_preemptions", "num_steps", "mean_step_ms",
 ]
 
 
@@ -113,7 +113,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
             result = run_throughput(recorder, requests, scheduling, label=f"{scheduling}{repeat}")
             runs.append(result | {"repeat": repeat})
             series[scheduling] = step_series(recorder.records)
-            print_table([runs[-1]], ["scheduling", "repeat", *THROUGHPUT_KEYS[:6]])
+            print_table([runs[-1]], ["scheduling", "repeat", *THROUGHPUT_KEYS[:7]])
     medians = median_by(runs, "scheduling", THROUGHPUT_KEYS)
     print(f"\nmedians over {args.repeats} interleaved repeat(s):")
     print_table([{"scheduling": name, **m} for name, m in medians.items()], ["scheduling", *THROUGHPUT_KEYS])

@@ -100,6 +100,10 @@ class StepRecorder:
         return outputs
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 def step_summary(records: list[StepRecord], num_preemptions: int) -> dict[str, Any]:
     """Occupancy, KV usage and waste over a run's steps."""
     if not records:
@@ -112,6 +116,8 @@ def step_summary(records: list[StepRecord], num_preemptions: int) -> dict[str, A
         # Token-weighted over the run, and the plain mean of the per-step ratios.
         "useful_slot_occupancy": sum(r.useful_tokens for r in records) / slots,
         "mean_step_occupancy": sum(r.occupancy for r in records) / len(records),
+        # Decode steps only: the classical "rows doing useful work" measure, without prompt tokens.
+        "decode_step_occupancy": _mean([r.occupancy for r in records if r.kind == "decode"]),
         "scheduled_slot_occupancy": sum(r.scheduled_tokens for r in records) / slots,
         "peak_kv_usage": max(r.kv_usage for r in records),
         "peak_kv_blocks_used": max(r.kv_blocks_used for r in records),
