@@ -1,0 +1,31 @@
+"""The CLI on a tiny checkpoint: lowering every step for CUDA without a GPU, and streaming generate."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax import LLM, SamplingParams
+from cbjax.cli import main
+
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("cli"), "llama")[1])
+
+
+def test_lower_every_bucket_for_cuda_with_the_pallas_kernels(checkpoint, capsys):
+    main(["lower", "--platform", "cuda", "--backend", "pallas", "--model", checkpoint, *ENGINE_FLAGS])
+    out = capsys.readouterr().out
+    # 4 seqs / 32 tokens: decode (4), mixed (16 tokens, 4 reqs), mixed (32 tokens, 4 reqs).
+    assert "lowered 3/3 steps for cuda with backend pallas" in out
+
+
+def test_generate_streams_what_the_api_returns(checkpoint, capsys):
+    main(["generate", "--model", checkpoint, *ENGINE_FLAGS, "--prompt", "Once upon a time", "--max-tokens", "12"])
+    streamed = capsys.readouterr().out
+    llm = LLM(checkpoint, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=16)
+    (out,) = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert streamed == out.outputs[0].text + "\n"

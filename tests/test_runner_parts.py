@@ -1,0 +1,79 @@
+"""Pure pieces of the runner: bucket lists, one-buffer packing, KV pool sizing."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
+from cbjax.engine.kv_sizing import plan_num_blocks
+from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
+
+
+def test_buckets_cover_every_step_and_prune_infeasible_pairs():
+    buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
+    decode = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "decode"]
+    mixed = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "mixed"]
+    assert decode == [(8, 8), (16, 16), (32, 32), (64, 64)]
+    assert mixed == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 64), (128, 8), (128, 64),
+                     (256, 8), (256, 64), (512, 8), (512, 64)]
+    assert all(b.num_reqs <= b.num_tokens for b in buckets)
+    # Limits that are not powers of two are buckets themselves, so the largest step always fits.
+    odd = compute_buckets(max_num_seqs=12, max_num_batched_tokens=100)
+    assert max(b.num_reqs for b in odd if b.kind == "decode") == 12
+    assert max(b.num_tokens for b in odd if b.kind == "mixed") == 100
+    for num_tokens in range(1, 101):
+        for num_reqs in range(1, min(num_tokens, 12) + 1):
+            chosen = pick_bucket(odd, "mixed", num_tokens, num_reqs)
+            assert chosen.num_tokens >= num_tokens and chosen.num_reqs >= num_reqs
+
+
+def test_pick_bucket_takes_the_smallest_that_fits_and_explains_a_miss():
+    buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
+    assert pick_bucket(buckets, "decode", 9, 9) == Bucket("decode", 16, 16)
+    assert pick_bucket(buckets, "mixed", 100, 3) == Bucket("mixed", 128, 8)
+    assert pick_bucket(buckets, "mixed", 100, 9) == Bucket("mixed", 128, 64)
+    with pytest.raises(ValueError, match="no mixed bucket holds 513 tokens"):
+        pick_bucket(buckets, "mixed", 513, 1)
+
+
+def test_packing_round_trips_ints_and_floats_through_one_buffer():
+    rng = np.random.default_rng(0)
+    tree = {
+        "ids": rng.integers(-5, 5, (3, 4)).astype(np.int32),
+        "temps": rng.normal(size=(7,)).astype(np.float32),
+        "seeds": rng.integers(0, 2**32, (2,), dtype=np.uint64).astype(np.uint32),
+    }
+    layout = PackedLayout.of(tree)
+    flat = pack(tree)
+    assert flat.dtype == np.int32 and flat.shape == (layout.size,) == (12 + 7 + 2,)
+    on_device = jax.jit(lambda f: unpack(f, layout))(flat)
+    for name in tree:
+        np.testing.assert_array_equal(np.asarray(on_device[name]), tree[name])
+    back = unpack_host(np.asarray(jax.jit(pack_device)(on_device)), layout)
+    for name in tree:
+        np.testing.assert_array_equal(back[name], tree[name])
+
+
+def test_packing_refuses_leaves_that_are_not_32_bit():
+    with pytest.raises(TypeError, match="32-bit"):
+        PackedLayout.of({"x": np.zeros(3, np.int64)})
+
+
+def sizing(**overrides):
+    options = dict(bytes_per_block=1024, block_size=16, max_model_len=256, max_num_seqs=4, num_kv_blocks=None,
+                   kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, device=jax.devices("cpu")[0])
+    return plan_num_blocks(**(options | overrides))
+
+
+def test_pool_size_from_blocks_bytes_or_the_cpu_default():
+    assert sizing(num_kv_blocks=40) == 40
+    assert sizing(kv_cache_memory_bytes=50 * 1024 + 100) == 50
+    # CPU default: capped at what max_num_seqs full-length requests need, plus the null block.
+    assert sizing() == 4 * 256 // 16 + 1
+
+
+def test_pool_too_small_for_one_request_names_the_largest_max_model_len_that_fits():
+    with pytest.raises(ValueError, match="lower max_model_len to at most 144"):
+        sizing(num_kv_blocks=10)
