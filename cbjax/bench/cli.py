@@ -95,7 +95,7 @@ def median_by(runs: list[dict[str, Any]], group: str, keys: list[str]) -> dict[s
 
 THROUGHPUT_KEYS = [
     "output_throughput", "total_token_throughput", "elapsed_time", "useful_slot_occupancy",
-    "mean_step_occupancy", "decode_step_occupancy", "peak_kv_usage", "kv_waste", "num_preemptions", "num_steps", "mean_step_ms",
+    "mean_step_occupancy", "decode_step_occupancy", "peak_kv_usage", "kv_waste", "kv_waste_steady_state", "num_preemptions", "num_steps", "mean_step_ms",
 ]
 
 

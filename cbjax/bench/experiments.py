@@ -50,6 +50,11 @@ def stall_workload(args: argparse.Namespace, vocab_size: int):
 def cmd_prefill_stall(args: argparse.Namespace) -> None:
     from cbjax.bench.recorder import StepRecorder
 
+    if args.max_num_seqs <= args.num_short:
+        raise SystemExit(
+            f"--max-num-seqs {args.max_num_seqs} must exceed --num-short {args.num_short}, or the long prompts "
+            "wait for a free seat instead of arriving among running decodes; raise it"
+        )
     max_model_len = args.max_model_len or 1024
     variants = {
         "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=args.chunk_size, max_model_len=max_model_len),

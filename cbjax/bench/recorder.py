@@ -104,12 +104,18 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _waste(records: list[StepRecord]) -> float:
+    """Slot-weighted fraction of the running requests' allocated KV slots that hold no token."""
+    allocated = sum(r.kv_allocated_slots for r in records)
+    return 1 - sum(r.kv_token_slots for r in records) / allocated if allocated else 0.0
+
+
 def step_summary(records: list[StepRecord], num_preemptions: int) -> dict[str, Any]:
     """Occupancy, KV usage and waste over a run's steps."""
     if not records:
         return {"num_steps": 0, "num_preemptions": num_preemptions}
     slots = sum(r.bucket_tokens for r in records)
-    allocated = sum(r.kv_allocated_slots for r in records)
+    busy = [r for r in records if r.num_waiting] or records  # steady state: requests queue for a seat or blocks
     return {
         "num_steps": len(records),
         "num_decode_steps": sum(r.kind == "decode" for r in records),
@@ -122,7 +128,8 @@ def step_summary(records: list[StepRecord], num_preemptions: int) -> dict[str, A
         "peak_kv_usage": max(r.kv_usage for r in records),
         "peak_kv_blocks_used": max(r.kv_blocks_used for r in records),
         "kv_blocks_total": records[0].kv_blocks_total,
-        "kv_waste": 1 - sum(r.kv_token_slots for r in records) / allocated if allocated else 0.0,
+        "kv_waste": _waste(records),
+        "kv_waste_steady_state": _waste(busy),
         "max_num_running": max(r.num_running for r in records),
         "num_preemptions": num_preemptions,
         "mean_step_ms": 1000 * sum(r.end - r.start for r in records) / len(records),
