@@ -70,13 +70,17 @@ def ragged_paged_attention_reference(
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     metadata: AttentionMetadata,
     sm_scale: float,
+    *,
+    tile_tokens: int = 128,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch of new tokens over the paged pool.
 
-    Walks the pages with an online softmax, only as far as the longest request,
-    so memory stays O(tokens * block_size) whatever max_model_len is. Masked
-    keys and values are replaced before use, so NaN garbage in unused pages or
-    the unused tail of a page never leaks into the output.
+    Walks the pages with an online softmax, a tile of about `tile_tokens` KV
+    positions at a time and only as far as the longest request, so memory stays
+    O(tokens * tile_tokens) whatever max_model_len is. (Tiles of one page cost
+    twice the whole decode step on CPU: every loop iteration has a fixed cost.)
+    Masked keys and values are replaced before use, so NaN garbage in unused
+    pages or the unused tail of a page never leaks into the output.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -86,36 +90,42 @@ def ragged_paged_attention_reference(
     seq_len = metadata.seq_lens[req]
     # Absolute position of each token: its request's first new position + index within the chunk.
     position = seq_len - q_lens[req] + (jnp.arange(num_tokens) - metadata.query_start_loc[req])
-    block_table = metadata.block_tables[req]  # [T, max_blocks]
-    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    pages_per_tile = max(1, tile_tokens // block_size)
+    tile = pages_per_tile * block_size
+    block_table = metadata.block_tables[req]  # [T, max_blocks], padded below to whole tiles
+    block_table = jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % pages_per_tile)))
+    # Everything is kv-head-major, the pool's own order, so no gathered tile is ever transposed.
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim).swapaxes(0, 1)
 
-    def one_page(j, carry):
-        m, l, acc = carry
-        page = block_table[:, j]  # [T]
-        k = k_pages[:, page].astype(jnp.float32)  # [Hkv, T, S, D]
-        v = v_pages[:, page].astype(jnp.float32)
-        kv_pos = j * block_size + jnp.arange(block_size)
-        valid = (kv_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, S]
+    def one_tile(j, carry):
+        m, l, acc = carry  # [Hkv, T, G], [Hkv, T, G], [Hkv, T, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_tile, pages_per_tile, axis=1)  # [T, P]
+        k = k_pages[:, pages].reshape(num_kv_heads, num_tokens, tile, head_dim).astype(jnp.float32)
+        v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, tile, head_dim).astype(jnp.float32)
+        kv_pos = j * tile + jnp.arange(tile)
+        valid = (kv_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, tile]
         k = jnp.where(valid[None, :, :, None], k, 0.0)
         v = jnp.where(valid[None, :, :, None], v, 0.0)
-        s = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        # Multiply-and-reduce rather than a dot: XLA:CPU fuses it with the page gather into one
+        # loop, where a dot would first materialize the gathered tile.
+        s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, T, G, tile]
+        s = jnp.where(valid[None, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
         l = alpha * l + p.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgs,ktsd->tkgd", p, v)
+        acc = alpha[..., None] * acc + jnp.sum(p[..., None] * v[:, :, None, :, :], axis=-2)
         return m_new, l, acc
 
     init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+        jnp.full((num_kv_heads, num_tokens, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_kv_heads, num_tokens, group), jnp.float32),
+        jnp.zeros((num_kv_heads, num_tokens, group, head_dim), jnp.float32),
     )
-    num_pages = (jnp.max(metadata.seq_lens) + block_size - 1) // block_size
-    _, l, acc = jax.lax.fori_loop(0, num_pages, one_page, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    num_tiles = (jnp.max(metadata.seq_lens) + tile - 1) // tile
+    _, l, acc = jax.lax.fori_loop(0, num_tiles, one_tile, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).swapaxes(0, 1)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -1,0 +1,78 @@
+"""The jnp reference of paged attention against dense attention written out per request in numpy."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from kernels_pallas.reference import AttentionMetadata, paged_decode_attention_reference, ragged_paged_attention_reference
+
+
+def dense_attention(q, keys, values, scale, num_kv_heads):
+    """q [n, Hq, D] are the last n of len(keys) positions; causal; GQA by repeating kv heads."""
+    n, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, keys) * scale
+    first = len(keys) - n
+    causal = np.arange(len(keys))[None, :] <= (first + np.arange(n))[:, None]
+    scores = np.where(causal[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", probs, values)
+
+
+def build_batch(rng, requests, num_kv_heads, num_q_heads, head_dim, block_size, num_blocks, max_blocks, num_tokens, num_reqs):
+    """Pool filled with NaN except the requests' tokens, on shuffled pages; padded metadata."""
+    k_pages = np.full((num_kv_heads, num_blocks, block_size, head_dim), np.nan, np.float32)
+    v_pages = k_pages.copy()
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    block_tables = np.zeros((num_reqs, max_blocks), np.int32)
+    query_start_loc = np.zeros(num_reqs + 1, np.int32)
+    seq_lens = np.zeros(num_reqs, np.int32)
+    q = rng.normal(size=(num_tokens, num_q_heads, head_dim)).astype(np.float32)
+    expected = np.zeros_like(q)
+    offset = 0
+    for r, (q_len, seq_len) in enumerate(requests):
+        pages = [free.pop() for _ in range(-(-seq_len // block_size))]
+        block_tables[r, : len(pages)] = pages
+        keys = rng.normal(size=(seq_len, num_kv_heads, head_dim)).astype(np.float32)
+        values = rng.normal(size=(seq_len, num_kv_heads, head_dim)).astype(np.float32)
+        for pos in range(seq_len):
+            k_pages[:, pages[pos // block_size], pos % block_size] = keys[pos]
+            v_pages[:, pages[pos // block_size], pos % block_size] = values[pos]
+        expected[offset : offset + q_len] = dense_attention(q[offset : offset + q_len], keys, values, head_dim**-0.5, num_kv_heads)
+        offset += q_len
+        query_start_loc[r + 1] = offset
+        seq_lens[r] = seq_len
+    query_start_loc[len(requests) + 1 :] = offset
+    metadata = AttentionMetadata(np.zeros(num_tokens, np.int32), query_start_loc, seq_lens, block_tables)
+    q, k_pages, v_pages, metadata = jax.device_put((q, k_pages, v_pages, metadata))
+    return q, k_pages, v_pages, metadata, expected
+
+
+@pytest.mark.parametrize("tile_tokens", [4, 8, 24, 128])
+def test_ragged_reference_equals_dense_attention_per_request(tile_tokens):
+    rng = np.random.default_rng(tile_tokens)
+    # (new tokens, KV length): prefill, chunk over a cached prefix, decodes at block edges, one token.
+    requests = [(9, 9), (5, 21), (1, 8), (1, 17), (1, 1), (3, 40)]
+    q, k_pages, v_pages, metadata, expected = build_batch(
+        rng, requests, num_kv_heads=2, num_q_heads=6, head_dim=16, block_size=8, num_blocks=24,
+        max_blocks=6, num_tokens=24, num_reqs=8,
+    )
+    out = np.asarray(ragged_paged_attention_reference(q, k_pages, v_pages, metadata, 16**-0.5, tile_tokens=tile_tokens))
+    np.testing.assert_allclose(out, expected, atol=2e-5)
+    assert not out[20:].any()  # padding tokens give 0
+
+
+def test_decode_reference_equals_dense_attention_and_padded_rows_give_zero():
+    rng = np.random.default_rng(0)
+    requests = [(1, n) for n in (1, 7, 8, 9, 33)]
+    q, k_pages, v_pages, metadata, expected = build_batch(
+        rng, requests, num_kv_heads=1, num_q_heads=4, head_dim=32, block_size=8, num_blocks=16,
+        max_blocks=5, num_tokens=6, num_reqs=6,
+    )
+    out = np.asarray(paged_decode_attention_reference(q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, 32**-0.5))
+    np.testing.assert_allclose(out[:5], expected[:5], atol=2e-5)
+    assert not out[5].any()
