@@ -8,8 +8,10 @@ tokens and logprobs come back packed in one buffer (one transfer out).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import zlib
 from typing import Any
 
@@ -133,11 +135,22 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
 
     def precompile(self, progress: bool = True) -> None:
-        """Compile every bucket now, so that serving never compiles."""
+        """Compile every bucket now, so that serving never compiles.
+
+        XLA compiles outside the GIL, so buckets compile on all cores at once.
+        """
         logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
-        for bucket in tqdm(self.buckets, desc="compiling steps", disable=not progress):
+
+        def compile_bucket(bucket: Bucket) -> tuple[Bucket, Any]:
             lowered = self._step_fn(bucket, self.backend).lower(self.state, self.kv_caches, self._packed_struct(bucket))
-            self.compiled[bucket] = lowered.compile()
+            return bucket, lowered.compile()
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = [pool.submit(compile_bucket, bucket) for bucket in self.buckets]
+            done = concurrent.futures.as_completed(futures)
+            for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
+                bucket, compiled = future.result()
+                self.compiled[bucket] = compiled
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
