@@ -1,0 +1,128 @@
+"""Where a step's time goes on the host, at many running requests.
+
+    python -m cbjax.bench.host_overhead --model checkpoints/smollm2-135m-instruct --num-requests 256
+
+Part 1 runs the real engine with `--num-requests` requests decoding together
+and times each phase of every step by wrapping the engine's own objects:
+schedule (Scheduler.schedule), prepare (bucket choice and numpy packing),
+device (the compiled step, transfers included), update (Scheduler.update) and
+outputs (detokenization, stop strings, RequestOutput). Host share = everything
+but device, over the whole step.
+
+Part 2 times the scheduler alone (schedule + update, no model, no device) at
+the same number of running requests, with a fake token per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from cbjax.cli import add_engine_args, engine_options
+from cbjax.engine.block_manager import BlockManager
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.engine import LLMEngine
+from cbjax.engine.request import Request
+from cbjax.engine.scheduler import Scheduler
+from cbjax.sampling_params import SamplingParams
+
+
+def timed(times: dict[str, list[float]], name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        times[name].append(time.perf_counter() - start)
+        return result
+
+    return wrapper
+
+
+def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int) -> dict:
+    """Median seconds per phase over the steps where every request is decoding."""
+    times: dict[str, list[float]] = defaultdict(list)
+    runner, scheduler = engine.runner, engine.scheduler
+    runner.prepare = timed(times, "prepare", runner.prepare)
+    runner.execute = timed(times, "execute", runner.execute)
+    schedule = timed(times, "schedule", scheduler.schedule)
+    everyone_decoding = []
+
+    def recording_schedule():
+        out = schedule()
+        everyone_decoding.append(out.is_decode_only and len(out.scheduled) == num_requests)
+        return out
+
+    scheduler.schedule = recording_schedule
+    scheduler.update = timed(times, "update", scheduler.update)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(10, 40000, prompt_len).tolist()}, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    full = [i for i, flag in enumerate(everyone_decoding) if flag]
+    if not full:
+        raise SystemExit("no step had every request decoding; raise --output-len above the prefill steps")
+    pick = lambda name: float(np.median([times[name][i] for i in full]))  # noqa: E731
+    step, schedule, update, execute, prepare = (
+        float(np.median([steps[i] for i in full])), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
+    )
+    device = execute - prepare
+    outputs = step - schedule - update - execute
+    host = step - device
+    return dict(
+        num_running=num_requests, step_ms=step * 1e3, schedule_ms=schedule * 1e3, prepare_ms=prepare * 1e3,
+        device_ms=device * 1e3, update_ms=update * 1e3, outputs_ms=outputs * 1e3,
+        host_ms=host * 1e3, host_share=host / step, scheduler_share=(schedule + update) / step,
+    )
+
+
+def scheduler_alone(num_requests: int, prompt_len: int, steps: int, block_size: int = 16) -> dict:
+    """schedule() + update() per step with num_requests decoding and nothing else."""
+    blocks = num_requests * -(-(prompt_len + steps + 1) // block_size) + 1
+    scheduler = Scheduler(
+        max_num_seqs=num_requests, max_num_batched_tokens=max(num_requests, prompt_len),
+        max_model_len=prompt_len + steps + 1, block_manager=BlockManager(blocks, block_size),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for i in range(num_requests):
+        scheduler.add_request(Request(str(i), list(range(3, 3 + prompt_len)), params, eos_token_ids=[2]))
+    times = []
+    while scheduler.has_unfinished_requests():
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        scheduler.update(out, {row.request.request_id: 5 for row in out.scheduled if row.samples})
+        times.append((time.perf_counter() - start, out.is_decode_only))
+    decode = [t for t, is_decode in times if is_decode]
+    return dict(num_running=num_requests, scheduler_ms_per_step=float(np.median(decode)) * 1e3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.host_overhead", description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--result-json", type=pathlib.Path, default=None)
+    parser.set_defaults(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=256)
+    args = parser.parse_args(argv)
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    report = dict(
+        engine=engine_phases(engine, args.num_requests, args.prompt_len, args.output_len),
+        scheduler_alone=scheduler_alone(args.num_requests, args.prompt_len, args.output_len),
+    )
+    print(json.dumps(report, indent=2))
+    if args.result_json:
+        args.result_json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
