@@ -139,6 +139,8 @@ def worker_transformers(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    if spec["torch_threads"]:
+        torch.set_num_threads(spec["torch_threads"])
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).eval()
     startup = time.perf_counter() - start
@@ -208,6 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--vllm-dtype", default="auto")
     parser.add_argument("--vllm-enforce-eager", action="store_true")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="transformers' torch threads (0: torch's default); 1 is steadier on a machine shared with other work",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the systems; medians are reported")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per system run")
     parser.add_argument("--result-json", default=None)
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = {
         "model": args.model, "hf_dir": args.hf_dir, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "vllm_dtype": args.vllm_dtype, "vllm_enforce_eager": args.vllm_enforce_eager,
+        "vllm_dtype": args.vllm_dtype, "vllm_enforce_eager": args.vllm_enforce_eager, "torch_threads": args.torch_threads,
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
     }
     work = VENV_ROOT / "runs"
