@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import pathlib
 import platform
 import statistics
 from typing import Any
 
 from cbjax.cli import add_engine_args, engine_options
-
-logger = logging.getLogger(__name__)
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -73,13 +70,13 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in rows:
-        print("  ".join(_fmt(row.get(c)).rjust(w) for c, w in zip(columns, widths)))
+        print("  ".join(fmt(row.get(c)).rjust(w) for c, w in zip(columns, widths)))
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
@@ -179,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print(f"============ Serving Benchmark Result (rate {args.request_rate}, burstiness {args.burstiness}) ============")
     for key, value in result.items():
         if not isinstance(value, (dict, list)):
-            print(f"{key:<32} {_fmt(value)}")
+            print(f"{key:<32} {fmt(value)}")
     write_json(args.result_json, result | environment(args))
     if args.plot:
         from cbjax.bench.plots import plot_latency_cdfs, plot_steps

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cbjax.bench.cli import (
-    _fmt, add_dataset_args, add_output_args, build_engine, environment, print_table, serve_once, warm_up, write_json,
+    fmt, add_dataset_args, add_output_args, build_engine, environment, print_table, serve_once, warm_up, write_json,
 )
 from cbjax.cli import add_engine_args
 
@@ -165,7 +165,7 @@ def cmd_kv_capacity(args: argparse.Namespace) -> None:
     }
     result["paged_over_contiguous"] = result["paged_max_concurrent"] / max(contiguous, 1)
     for key, value in result.items():
-        print(f"{key:<48} {_fmt(value)}")
+        print(f"{key:<48} {fmt(value)}")
     write_json(args.result_json, result | environment(args))
 
 
