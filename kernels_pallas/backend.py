@@ -32,6 +32,7 @@ from kernels_pallas.reference import (
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
+XLA_MIXED_BLOCK_Q = 16  # query tile of the jnp path for mixed (prefill) steps
 
 
 def _has_gpu() -> bool:
@@ -115,7 +116,9 @@ def attention(
             return paged_decode_attention_reference(
                 q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale
             )
-        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale)
+        # Query tiles of 16 tokens share each gathered page: a 512-token prefill's attention ran
+        # 120 -> 11 ms per layer on XLA:CPU against one query per tile, a mixed batch 70 -> 22 ms.
+        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q)
     interpret = backend == "pallas_interpret"
     if decode_only:
         return paged_decode_attention(

@@ -42,27 +42,11 @@ from kernels_pallas.paged_attention import (
     online_softmax_step,
     pick_pages_per_tile,
 )
-from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference
+from kernels_pallas.reference import AttentionMetadata, query_tiles, ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "query_tiles"]
 
 TARGET_ROWS = 64  # block_q * group: rows of the score tile, enough to reuse each K/V tile well.
-
-
-def query_tiles(
-    query_start_loc: Int[Array, "reqs_plus_1"], num_tokens: int, block_q: int
-) -> tuple[Int[Array, "tiles"], Int[Array, "tiles"]]:
-    """The step's (request, tile index within request) pairs, padded with empty tiles of the last row."""
-    num_reqs = query_start_loc.shape[0] - 1
-    max_tiles = num_tokens // block_q + min(num_reqs, num_tokens)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    tiles_per_req = pl.cdiv(q_lens, block_q)
-    tile_ends = jnp.cumsum(tiles_per_req)
-    work = jnp.arange(max_tiles, dtype=jnp.int32)
-    tile_req = jnp.minimum(jnp.searchsorted(tile_ends, work, side="right"), num_reqs - 1).astype(jnp.int32)
-    # Past the last real tile this index runs beyond its request's tiles: the tile has no rows.
-    tile_idx = (work - (tile_ends[tile_req] - tiles_per_req[tile_req])).astype(jnp.int32)
-    return tile_req, tile_idx
 
 
 def _ragged_kernel(

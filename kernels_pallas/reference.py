@@ -64,16 +64,36 @@ def token_request_ids(query_start_loc: Int[Array, "reqs_plus_1"], num_tokens: in
     return jnp.minimum(req, num_reqs - 1), tokens < query_start_loc[-1]
 
 
-# Bytes of one gathered K tile (tokens x tile x kv_heads x dim, f32). Measured on XLA:CPU: tiles
-# past this fall out of cache (256 decodes x 128-token tiles ran 6x slower than 16-token ones),
-# while below it fewer, larger tiles save loop iterations.
+def query_tiles(
+    query_start_loc: Int[Array, "reqs_plus_1"], num_tokens: int, block_q: int
+) -> tuple[Int[Array, "tiles"], Int[Array, "tiles"]]:
+    """The step's (request, tile index within request) pairs, padded with empty tiles of the last row.
+
+    Every token lies in exactly one tile; a tile never spans two requests. There
+    are at most num_tokens // block_q + min(reqs, num_tokens) tiles.
+    """
+    num_reqs = query_start_loc.shape[0] - 1
+    max_tiles = num_tokens // block_q + min(num_reqs, num_tokens)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles_per_req = (q_lens + block_q - 1) // block_q
+    tile_ends = jnp.cumsum(tiles_per_req)
+    work = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_req = jnp.minimum(jnp.searchsorted(tile_ends, work, side="right"), num_reqs - 1).astype(jnp.int32)
+    # Past the last real tile this index runs beyond its request's tiles: the tile has no rows.
+    tile_idx = (work - (tile_ends[tile_req] - tiles_per_req[tile_req])).astype(jnp.int32)
+    return tile_req, tile_idx
+
+
+# Bytes of one gathered K tile (query tiles x tile x kv_heads x dim, f32). Measured on XLA:CPU:
+# tiles past this fall out of cache (256 decodes x 128-token tiles ran 6x slower than 16-token
+# ones), while below it fewer, larger tiles save loop iterations.
 TILE_BYTES = 1 << 20
 
 
-def default_tile_tokens(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+def default_tile_tokens(num_rows: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
     """The largest power-of-two number of pages (at most 128 tokens) whose K tile fits TILE_BYTES."""
     tile = block_size
-    while tile * 2 <= 128 and num_tokens * tile * 2 * num_kv_heads * head_dim * 4 <= TILE_BYTES:
+    while tile * 2 <= 128 and num_rows * tile * 2 * num_kv_heads * head_dim * 4 <= TILE_BYTES:
         tile *= 2
     return tile
 
@@ -85,63 +105,90 @@ def ragged_paged_attention_reference(
     metadata: AttentionMetadata,
     sm_scale: float,
     *,
+    block_q: int = 1,
     tile_tokens: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch of new tokens over the paged pool.
 
-    Walks the pages with an online softmax, a tile of `tile_tokens` KV
-    positions at a time and only as far as the longest request, so memory stays
-    O(tokens * tile_tokens) whatever max_model_len is. Masked keys and values
-    are replaced before use, so NaN garbage in unused pages or the unused tail
-    of a page never leaks into the output.
+    Queries go in tiles of `block_q` consecutive tokens of one request (1: every
+    token on its own, best for decodes; larger: a prompt chunk's tokens share
+    each gathered page, best for prefill). Each query tile walks its request's
+    pages with an online softmax, `tile_tokens` KV positions at a time and only
+    as far as the longest request, so memory stays O(tiles * tile_tokens)
+    whatever max_model_len is. Keys and values past a request's length are
+    replaced before use, so NaN garbage in unused pages or the unused tail of a
+    page never leaks into the output.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    req, is_real = token_request_ids(metadata.query_start_loc, num_tokens)
-    q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    seq_len = metadata.seq_lens[req]
-    # Absolute position of each token: its request's first new position + index within the chunk.
-    position = seq_len - q_lens[req] + (jnp.arange(num_tokens) - metadata.query_start_loc[req])
+    query_start_loc = metadata.query_start_loc
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if block_q == 1:
+        tile_req, is_real = token_request_ids(query_start_loc, num_tokens)
+        tokens = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]  # [W=T, 1]
+        row_real = is_real[:, None]
+    else:
+        tile_req, tile_idx = query_tiles(query_start_loc, num_tokens, block_q)
+        tokens = query_start_loc[tile_req][:, None] + tile_idx[:, None] * block_q + jnp.arange(block_q)  # [W, Bq]
+        row_real = tokens < query_start_loc[tile_req + 1][:, None]
+    num_tiles_q = tokens.shape[0]
+    seq_len = metadata.seq_lens[tile_req]  # [W]
+    # Absolute position of each row: its request's first new position + index within the chunk.
+    position = (seq_len - q_lens[tile_req] - query_start_loc[tile_req])[:, None] + tokens  # [W, Bq]
+    block_table = metadata.block_tables[tile_req]  # [W, max_blocks], padded below to whole tiles
     if tile_tokens is None:
-        tile_tokens = default_tile_tokens(num_tokens, num_kv_heads, head_dim, block_size)
+        tile_tokens = default_tile_tokens(num_tiles_q, num_kv_heads, head_dim, block_size)
     pages_per_tile = max(1, tile_tokens // block_size)
     tile = pages_per_tile * block_size
-    block_table = metadata.block_tables[req]  # [T, max_blocks], padded below to whole tiles
     block_table = jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % pages_per_tile)))
     # Everything is kv-head-major, the pool's own order, so no gathered tile is ever transposed.
-    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim).swapaxes(0, 1)
+    qg = q[jnp.minimum(tokens, num_tokens - 1)].astype(jnp.float32) * sm_scale  # [W, Bq, Hq, D]
+    qg = qg.reshape(num_tiles_q, block_q, num_kv_heads, group, head_dim).transpose(2, 0, 1, 3, 4)
 
     def one_tile(j, carry):
-        m, l, acc = carry  # [Hkv, T, G], [Hkv, T, G], [Hkv, T, G, D]
-        pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_tile, pages_per_tile, axis=1)  # [T, P]
-        k = k_pages[:, pages].reshape(num_kv_heads, num_tokens, tile, head_dim).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, tile, head_dim).astype(jnp.float32)
+        m, l, acc = carry  # [Hkv, W, Bq, G], [Hkv, W, Bq, G], [Hkv, W, Bq, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_tile, pages_per_tile, axis=1)  # [W, P]
+        k = k_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
+        v = v_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
         kv_pos = j * tile + jnp.arange(tile)
-        valid = (kv_pos[None, :] <= position[:, None]) & is_real[:, None]  # [T, tile]
-        k = jnp.where(valid[None, :, :, None], k, 0.0)
-        v = jnp.where(valid[None, :, :, None], v, 0.0)
-        # Multiply-and-reduce rather than a dot: XLA:CPU fuses it with the page gather into one
-        # loop, where a dot would first materialize the gathered tile.
-        s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, T, G, tile]
-        s = jnp.where(valid[None, :, None, :], s, -jnp.inf)
+        in_seq = kv_pos[None, :] < seq_len[:, None]  # [W, tile]
+        k = jnp.where(in_seq[None, :, :, None], k, 0.0)
+        v = jnp.where(in_seq[None, :, :, None], v, 0.0)
+        valid = (kv_pos[None, None, :] <= position[:, :, None]) & row_real[:, :, None]  # [W, Bq, tile]
+        if block_q == 1:
+            # Multiply-and-reduce rather than a dot: XLA:CPU fuses it with the page gather into one
+            # loop, where a one-row dot would first materialize the gathered tile.
+            s = jnp.sum(qg[..., None, :] * k[:, :, None, None, :, :], axis=-1)  # [Hkv, W, 1, G, tile]
+        else:
+            s = jnp.einsum("kwbgd,kwtd->kwbgt", qg, k)
+        s = jnp.where(valid[None, :, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
         l = alpha * l + p.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.sum(p[..., None] * v[:, :, None, :, :], axis=-2)
-        return m_new, l, acc
+        if block_q == 1:
+            pv = jnp.sum(p[..., None] * v[:, :, None, None, :, :], axis=-2)
+        else:
+            pv = jnp.einsum("kwbgt,kwtd->kwbgd", p, v)
+        return m_new, l, alpha[..., None] * acc + pv
 
+    shape = (num_kv_heads, num_tiles_q, block_q, group)
     init = (
-        jnp.full((num_kv_heads, num_tokens, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_kv_heads, num_tokens, group), jnp.float32),
-        jnp.zeros((num_kv_heads, num_tokens, group, head_dim), jnp.float32),
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    num_tiles = (jnp.max(metadata.seq_lens) + tile - 1) // tile
-    _, l, acc = jax.lax.fori_loop(0, num_tiles, one_tile, init)
-    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).swapaxes(0, 1)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    num_kv_tiles = (jnp.max(metadata.seq_lens) + tile - 1) // tile
+    _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(1, 2, 0, 3, 4)  # [W, Bq, Hkv, G, D]
+    out = out.reshape(num_tiles_q * block_q, num_q_heads, head_dim).astype(q.dtype)
+    if block_q == 1:
+        return out
+    # Rows of padding tiles and past a request's chunk go to index num_tokens and are dropped.
+    rows = jnp.where(row_real, tokens, num_tokens).reshape(-1)
+    return jnp.zeros_like(q).at[rows].set(out, mode="drop")
 
 
 def paged_decode_attention_reference(

@@ -52,8 +52,9 @@ def build_batch(rng, requests, num_kv_heads, num_q_heads, head_dim, block_size, 
     return q, k_pages, v_pages, metadata, expected
 
 
+@pytest.mark.parametrize("block_q", [1, 4, 16])
 @pytest.mark.parametrize("tile_tokens", [4, 8, 24, 128])
-def test_ragged_reference_equals_dense_attention_per_request(tile_tokens):
+def test_ragged_reference_equals_dense_attention_per_request(tile_tokens, block_q):
     rng = np.random.default_rng(tile_tokens)
     # (new tokens, KV length): prefill, chunk over a cached prefix, decodes at block edges, one token.
     requests = [(9, 9), (5, 21), (1, 8), (1, 17), (1, 1), (3, 40)]
@@ -61,7 +62,9 @@ def test_ragged_reference_equals_dense_attention_per_request(tile_tokens):
         rng, requests, num_kv_heads=2, num_q_heads=6, head_dim=16, block_size=8, num_blocks=24,
         max_blocks=6, num_tokens=24, num_reqs=8,
     )
-    out = np.asarray(ragged_paged_attention_reference(q, k_pages, v_pages, metadata, 16**-0.5, tile_tokens=tile_tokens))
+    out = np.asarray(ragged_paged_attention_reference(
+        q, k_pages, v_pages, metadata, 16**-0.5, tile_tokens=tile_tokens, block_q=block_q
+    ))
     np.testing.assert_allclose(out, expected, atol=2e-5)
     assert not out[20:].any()  # padding tokens give 0
 
