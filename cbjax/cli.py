@@ -6,30 +6,8 @@ import argparse
 import logging
 import sys
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine options every serving command takes (vLLM's flag names)."""
-    parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "pallas_interpret", "xla"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compilation-cache-dir", default=None)
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    names = (
-        "dtype max_num_seqs max_model_len max_num_batched_tokens block_size num_kv_blocks kv_cache_memory_bytes "
-        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir"
-    ).split()
-    return {name: getattr(args, name) for name in names}
+from cbjax.bench.cli import add_bench_parser
+from cbjax.cli_args import add_engine_args, engine_options
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -121,12 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
     p.set_defaults(func=cmd_lower)
 
-    try:
-        from cbjax.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

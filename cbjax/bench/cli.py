@@ -10,7 +10,7 @@ import platform
 import statistics
 from typing import Any
 
-from cbjax.cli import add_engine_args, engine_options
+from cbjax.cli_args import add_engine_args, engine_options
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:

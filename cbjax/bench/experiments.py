@@ -24,7 +24,7 @@ import numpy as np
 from cbjax.bench.cli import (
     fmt, add_dataset_args, add_output_args, build_engine, environment, print_table, serve_once, warm_up, write_json,
 )
-from cbjax.cli import add_engine_args
+from cbjax.cli_args import add_engine_args
 
 
 # ---- prefill-stall -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from cbjax.cli import add_engine_args, engine_options
+from cbjax.cli_args import add_engine_args, engine_options
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine
