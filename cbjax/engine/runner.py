@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 import zlib
 from typing import Any
 
@@ -155,6 +156,21 @@ class ModelRunner:
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
                 bucket, compiled = future.result()
                 self.compiled[bucket] = compiled
+        self.warm_up()
+
+    def warm_up(self) -> list[float]:
+        """Run every compiled step once on padding (it only writes the null block); seconds per call.
+
+        An executable's first call pays one-off costs (hundreds of ms for SmolLM2 on CPU) that
+        belong to start-up, not to the first requests that happen to need that bucket.
+        """
+        seconds = []
+        for bucket, compiled in self.compiled.items():
+            start = time.perf_counter()
+            self.kv_caches, result = compiled(self.weights, self.kv_caches, jax.device_put(pack(self._host_inputs(bucket))))
+            result.block_until_ready()
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
