@@ -15,10 +15,13 @@ from cbjax.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
 
-def load_model(ckpt_dir: str | Path, dtype: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
+    activation_dtype: see LlamaForCausalLM (None: the same as the weights).
     Every tensor's name, shape and dtype is checked against the model before anything is restored.
     """
     ckpt_dir = Path(ckpt_dir)
@@ -28,7 +31,7 @@ def load_model(ckpt_dir: str | Path, dtype: str | None = None) -> tuple[LlamaFor
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
-    return _fill_model(config, model_dtype, params), config
+    return _fill_model(config, model_dtype, params, activation_dtype), config
 
 
 def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool) -> dict[str, np.ndarray]:
@@ -43,12 +46,21 @@ def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: b
         return flatten_params(checkpointer.restore(params_dir.resolve()))
 
 
-def _fill_model(config: ModelConfig, dtype: str, params: dict[str, np.ndarray]) -> LlamaForCausalLM:
+def _fill_model(
+    config: ModelConfig, dtype: str, params: dict[str, np.ndarray], activation_dtype: str | None = None
+) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy."""
-    graphdef, abstract_state = nnx.split(abstract_model(config, jnp.dtype(dtype)))
+    graphdef, abstract_state = nnx.split(
+        abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
+    )
     filled = [
-        (path, variable.replace(jnp.asarray(params.pop(param_name(path)), dtype=dtype)))
+        (path, variable.replace(
+            jnp.asarray(params.pop(param_name(path)), dtype=dtype) if isinstance(variable, nnx.Param)
+            else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
+        ))
         for path, variable in nnx.to_flat_state(abstract_state)
     ]
-    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    model.derive_weights()
+    return model

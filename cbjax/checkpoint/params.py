@@ -20,9 +20,11 @@ from cbjax.models.llama import LlamaForCausalLM
 _RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> LlamaForCausalLM:
+def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None) -> LlamaForCausalLM:
     """The model with shapes and dtypes only: no memory, no random init."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=nnx.Rngs(0))
+    )
 
 
 def param_name(path: tuple) -> str:

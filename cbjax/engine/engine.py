@@ -37,13 +37,16 @@ class LLMEngine:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         device = jax.devices()[0]
         dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
-        model, self.model_config = load_model(config.model, dtype=dtype)
+        # XLA:CPU has fast bf16 x bf16 -> f32 dots but slow bf16 arithmetic otherwise: on CPU,
+        # 16-bit weights keep float32 activations and a float32 KV pool.
+        activation_dtype = "float32" if device.platform == "cpu" else None
+        model, self.model_config = load_model(config.model, dtype=dtype, activation_dtype=activation_dtype)
         config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
         mc = self.model_config
         num_blocks = plan_num_blocks(
-            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, jax.numpy.dtype(dtype)),
+            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, model.activation_dtype),
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,

@@ -79,7 +79,7 @@ class ModelRunner:
         # The weights travel as a flat list: flattening nnx's State pytree on every call cost
         # about 4 ms of dispatch per step.
         self.weights, self._state_treedef = jax.tree_util.tree_flatten(state)
-        self.dtype = self.weights[0].dtype
+        self.dtype = model.activation_dtype  # of the KV pool too
         self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, self.dtype)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
