@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from helpers_hf import load_hf_model
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -230,3 +231,15 @@ def test_abort_returns_partial_output_and_frees_blocks(llm, expected):
     assert 0 < len(finished["a"].outputs[0].token_ids) < 60
     assert finished["b"].outputs[0].token_ids == want[1]
     assert engine.get_stats()["kv_blocks_free"] == engine.get_stats()["kv_blocks_total"]
+
+
+def test_profiled_step_scratch_does_not_depend_on_the_pool_size(llm):
+    """gpu_memory_utilization sizing reserves the largest step's scratch, measured on a 2-block pool."""
+    from cbjax.engine.runner import ModelRunner
+
+    runner = llm.llm_engine.runner
+    model = nnx.merge(runner.graphdef, jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights))
+    probe = ModelRunner(model, runner.model_config, runner.config, 2, runner.backend)
+    scratch = probe.peak_step_bytes()
+    assert scratch > 0
+    assert scratch == runner.peak_step_bytes()

@@ -45,6 +45,17 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
         mc = self.model_config
+        self.backend = resolve_backend(
+            config.attention_backend,
+            num_q_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+        )
+        reserved_bytes = 0
+        if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+            # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
+            reserved_bytes = ModelRunner(model, mc, config, 2, self.backend).peak_step_bytes()
         num_blocks = plan_num_blocks(
             bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, model.activation_dtype),
             block_size=config.block_size,
@@ -54,13 +65,7 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
-        )
-        self.backend = resolve_backend(
-            config.attention_backend,
-            num_q_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
+            reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
         self.block_manager = BlockManager(num_blocks, config.block_size)

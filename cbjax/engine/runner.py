@@ -172,6 +172,19 @@ class ModelRunner:
             seconds.append(time.perf_counter() - start)
         return seconds
 
+    def peak_step_bytes(self) -> int:
+        """Scratch memory of the largest decode and mixed steps, from XLA's own memory analysis.
+
+        Pool sizing by gpu_memory_utilization sets this much aside besides the weights; it does
+        not depend on the pool's size (the pool is donated and updated in place).
+        """
+        largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
+        compiled = [
+            self._step_fn(b, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(b)).compile()
+            for b in largest
+        ]
+        return max(c.memory_analysis().temp_size_in_bytes for c in compiled)
+
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
         abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
