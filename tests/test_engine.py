@@ -198,6 +198,7 @@ def test_logprobs_are_the_raw_log_softmax(tiny, llm, expected):
         ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "outside the vocabulary"),
         ({"prompt_token_ids": [5] * MAX_MODEL_LEN}, SamplingParams(), "max_model_len"),
         ({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=50), "max_tokens"),
+        ({"prompt_token_ids": [5]}, SamplingParams(min_tokens=2, stop_token_ids=list(range(3, 40))), "min_tokens"),
     ],
 )
 def test_bad_input_is_rejected_and_the_engine_keeps_serving(llm, expected, prompt, params, message):

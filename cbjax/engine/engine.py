@@ -14,7 +14,7 @@ from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.request import Request, RequestStatus
-from cbjax.engine.runner import ModelRunner
+from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner
 from cbjax.engine.scheduler import Scheduler
 from cbjax.models.llama import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
@@ -140,6 +140,12 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens and max_tokens={params.max_tokens}, "
                 f"{len(token_ids) + params.max_tokens} in all; max_model_len is {max_model_len}; "
                 "lower max_tokens, shorten the prompt or raise max_model_len"
+            )
+        suppressed = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_token_ids))
+        if params.min_tokens > 0 and suppressed > SUPPRESS_LEN:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
+                f"at most {SUPPRESS_LEN} are supported; pass fewer stop_token_ids or min_tokens=0"
             )
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(

@@ -206,10 +206,7 @@ class ModelRunner:
         """Pick the bucket and fill its host buffers (numpy only: no device arrays, no compiles)."""
         rows = scheduled.scheduled
         kind = "decode" if scheduled.is_decode_only else "mixed"
-        num_tokens = scheduled.num_scheduled_tokens
-        if kind == "decode" and len(rows) > self.config.max_num_seqs:
-            kind = "mixed"
-        bucket = pick_bucket(self.buckets, kind, num_tokens, len(rows))
+        bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         inputs = self._host_inputs(bucket)
         attn, bs = inputs.attention, self.block_size
         offset = 0
