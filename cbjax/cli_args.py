@@ -9,6 +9,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine options every serving command takes (vLLM's flag names)."""
     parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -24,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype max_num_seqs max_model_len max_num_batched_tokens block_size num_kv_blocks kv_cache_memory_bytes "
+        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens block_size num_kv_blocks kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir"
     ).split()
     return {name: getattr(args, name) for name in names}

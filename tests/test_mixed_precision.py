@@ -16,7 +16,7 @@ from kernels_pallas import AttentionMetadata
 BLOCK_SIZE, NUM_BLOCKS = 4, 8
 
 
-def prompt_logits(model, config, token_ids: list[int]) -> np.ndarray:
+def prompt_logits(model, config, token_ids: list[int], kv_dtype=None) -> np.ndarray:
     """Logits at every position of one prompt, prefilled through the paged pool on blocks 1..."""
     n = len(token_ids)
     blocks = np.arange(1, -(-n // BLOCK_SIZE) + 1, dtype=np.int32)
@@ -27,7 +27,7 @@ def prompt_logits(model, config, token_ids: list[int]) -> np.ndarray:
         seq_lens=jnp.array([n], jnp.int32),
         block_tables=jnp.asarray(np.pad(blocks, (0, NUM_BLOCKS - 1 - len(blocks)))[None]),
     )
-    kv = init_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, model.activation_dtype)
+    kv = init_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype or model.activation_dtype)
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, kv: nnx.merge(graphdef, s)(jnp.asarray(token_ids), jnp.asarray(positions), kv, metadata, jnp.arange(n)))
     logits, _ = step(state, kv)
@@ -54,3 +54,13 @@ def test_bf16_weights_with_f32_activations_track_transformers_f32(tmp_path, tied
     # The same path in float32 is exact to rounding, so the tolerance above is bf16's alone.
     full, _ = load_model(ckpt, dtype="float32")
     assert np.linalg.norm(prompt_logits(full, config, token_ids) - expected) / np.linalg.norm(expected) < 1e-5
+
+
+def test_float16_kv_pool_tracks_transformers_f32(tmp_path):
+    """kv_cache_dtype="float16": K/V rounded to 10-bit mantissas on the way into the pool, math in f32."""
+    hf_dir = make_tiny_hf_model(tmp_path, "qwen2")
+    token_ids = np.random.default_rng(1).integers(0, 256, 20).tolist()
+    expected = hf_logits(hf_dir, token_ids)
+    model, config = load_model(convert_checkpoint(hf_dir, tmp_path / "ckpt"), dtype="float32")
+    relative = lambda logits: np.linalg.norm(logits - expected) / np.linalg.norm(expected)  # noqa: E731
+    assert 1e-6 < relative(prompt_logits(model, config, token_ids, jnp.float16)) < 2e-3

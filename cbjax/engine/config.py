@@ -12,6 +12,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
+    kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "float16" halves the pool's bytes
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
     block_size: int = 16
@@ -35,6 +36,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
+            )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -14,7 +14,7 @@ from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.request import Request, RequestStatus
-from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner
+from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
 from cbjax.models.llama import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
@@ -57,7 +57,7 @@ class LLMEngine:
             # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
             reserved_bytes = ModelRunner(model, mc, config, 2, self.backend).peak_step_bytes()
         num_blocks = plan_num_blocks(
-            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, model.activation_dtype),
+            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)),
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,

@@ -58,6 +58,11 @@ class SampledToken:
     top_logprobs: list[float]
 
 
+def kv_cache_dtype(requested: str, model: nnx.Module) -> jnp.dtype:
+    """The pool's dtype: the model's activation dtype, unless the user asked for another."""
+    return model.activation_dtype if requested == "auto" else jnp.dtype(requested)
+
+
 def request_seed(engine_seed: int, request_id: str, seed: int | None) -> int:
     """A request's own seed, or one derived from the engine seed and its id (stable across runs)."""
     if seed is not None:
@@ -79,8 +84,8 @@ class ModelRunner:
         # The weights travel as a flat list: flattening nnx's State pytree on every call cost
         # about 4 ms of dispatch per step.
         self.weights, self._state_treedef = jax.tree_util.tree_flatten(state)
-        self.dtype = model.activation_dtype  # of the KV pool too
-        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model)
+        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, self.kv_dtype)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
