@@ -98,7 +98,7 @@ def worker_cbjax(spec: dict) -> dict:
     llm = LLM(
         spec["model"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], compilation_cache_dir=".jax_cache",
-        dtype=spec["cbjax_dtype"],
+        dtype=spec["cbjax_dtype"], kv_cache_dtype=spec["cbjax_kv_cache_dtype"],
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--vllm-dtype", default="auto")
     parser.add_argument("--cbjax-dtype", default="auto", help="auto: float32 on CPU; bfloat16: bf16 weights, f32 activations")
+    parser.add_argument("--cbjax-kv-cache-dtype", default="auto", help="auto: the activation dtype; float16 halves the pool")
     parser.add_argument("--vllm-enforce-eager", action="store_true")
     parser.add_argument(
         "--torch-threads", type=int, default=0,
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = {
         "model": args.model, "hf_dir": args.hf_dir, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "vllm_dtype": args.vllm_dtype, "cbjax_dtype": args.cbjax_dtype, "vllm_enforce_eager": args.vllm_enforce_eager, "torch_threads": args.torch_threads,
+        "vllm_dtype": args.vllm_dtype, "cbjax_dtype": args.cbjax_dtype, "cbjax_kv_cache_dtype": args.cbjax_kv_cache_dtype, "vllm_enforce_eager": args.vllm_enforce_eager, "torch_threads": args.torch_threads,
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
     }
     work = VENV_ROOT / "runs"
