@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import time
 import zlib
 from typing import Any
 
@@ -84,8 +83,7 @@ class ModelRunner:
         # The weights travel as a flat list: flattening nnx's State pytree on every call cost
         # about 4 ms of dispatch per step.
         self.weights, self._state_treedef = jax.tree_util.tree_flatten(state)
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model)
-        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, self.kv_dtype)
+        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
@@ -93,8 +91,8 @@ class ModelRunner:
 
     # ---- shapes -------------------------------------------------------------
 
-    def _host_inputs(self, bucket: Bucket) -> StepInputs:
-        """Zeroed host buffers of one bucket: padded rows attend to nothing and write to the null block."""
+    def _host_inputs(self, bucket: Bucket, sampling_rows: list[SamplingRow] = ()) -> StepInputs:
+        """Host buffers of one bucket, zeroed: padded rows attend to nothing and write to the null block."""
         num_tokens, num_reqs = bucket.num_tokens, bucket.num_reqs
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return StepInputs(
@@ -107,7 +105,7 @@ class ModelRunner:
                 seq_lens=zeros(num_reqs),
                 block_tables=zeros(num_reqs, self.max_blocks_per_seq),
             ),
-            sampling=build_sampling_tensors([], num_reqs, self.config.max_model_len, SUPPRESS_LEN),
+            sampling=build_sampling_tensors(sampling_rows, num_reqs, self.config.max_model_len, SUPPRESS_LEN),
         )
 
     def _host_outputs(self, bucket: Bucket) -> SamplerOutput:
@@ -151,31 +149,25 @@ class ModelRunner:
         """
         logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
 
-        def compile_bucket(bucket: Bucket) -> tuple[Bucket, Any]:
-            lowered = self._step_fn(bucket, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(bucket))
-            return bucket, lowered.compile()
-
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = [pool.submit(compile_bucket, bucket) for bucket in self.buckets]
+            futures = {pool.submit(self._compile, bucket): bucket for bucket in self.buckets}
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
-                bucket, compiled = future.result()
-                self.compiled[bucket] = compiled
+                self.compiled[futures[future]] = future.result()
         self.warm_up()
 
-    def warm_up(self) -> list[float]:
-        """Run every compiled step once on padding (it only writes the null block); seconds per call.
+    def _compile(self, bucket: Bucket) -> Any:
+        return self._step_fn(bucket, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(bucket)).compile()
+
+    def warm_up(self) -> None:
+        """Run every compiled step once on padding (it only writes the null block).
 
         An executable's first call pays one-off costs (hundreds of ms for SmolLM2 on CPU) that
         belong to start-up, not to the first requests that happen to need that bucket.
         """
-        seconds = []
         for bucket, compiled in self.compiled.items():
-            start = time.perf_counter()
             self.kv_caches, result = compiled(self.weights, self.kv_caches, jax.device_put(pack(self._host_inputs(bucket))))
             result.block_until_ready()
-            seconds.append(time.perf_counter() - start)
-        return seconds
 
     def peak_step_bytes(self) -> int:
         """Scratch memory of the largest decode and mixed steps, from XLA's own memory analysis.
@@ -184,11 +176,7 @@ class ModelRunner:
         not depend on the pool's size (the pool is donated and updated in place).
         """
         largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
-        compiled = [
-            self._step_fn(b, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(b)).compile()
-            for b in largest
-        ]
-        return max(c.memory_analysis().temp_size_in_bytes for c in compiled)
+        return max(self._compile(b).memory_analysis().temp_size_in_bytes for b in largest)
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
@@ -212,10 +200,10 @@ class ModelRunner:
         rows = scheduled.scheduled
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
-        inputs = self._host_inputs(bucket)
+        sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
+        inputs = self._host_inputs(bucket, sampling_rows)
         attn, bs = inputs.attention, self.block_size
-        offset = 0
-        sampling_rows = []
+        offset, num_sampling = 0, 0
         for i, row in enumerate(rows):
             request, start, n = row.request, row.start, row.num_new_tokens
             end = offset + n
@@ -228,12 +216,11 @@ class ModelRunner:
             attn.block_tables[i, : len(blocks)] = blocks
             offset = end
             attn.query_start_loc[i + 1] = offset
-            if row.samples:
-                inputs.logits_indices[len(sampling_rows)] = end - 1
-                sampling_rows.append(self._sampling_row(request))
+            if row.samples:  # sampling rows are compacted, in the order of sampling_rows
+                inputs.logits_indices[num_sampling] = end - 1
+                num_sampling += 1
         attn.query_start_loc[len(rows) + 1 :] = offset
-        sampling = build_sampling_tensors(sampling_rows, bucket.num_reqs, self.config.max_model_len, SUPPRESS_LEN)
-        return bucket, dataclasses.replace(inputs, sampling=sampling)
+        return bucket, inputs
 
     def _sampling_row(self, request: Any) -> SamplingRow:
         params = request.sampling_params
