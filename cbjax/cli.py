@@ -27,6 +27,7 @@ def cmd_import_gguf(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from cbjax.engine.config import EngineConfig
     from cbjax.engine.engine import LLMEngine
+    from cbjax.llm import chat_prompt
     from cbjax.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
@@ -34,9 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.sample_seed
     )
     if args.chat is not None:
-        tokenizer = engine.tokenizer
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode_chat(text)}
+        prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.chat}])
     else:
         prompt = args.prompt
     engine.add_request("cli", prompt, params)

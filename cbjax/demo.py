@@ -10,6 +10,7 @@ import json
 import time
 
 from cbjax import LLM, SamplingParams
+from cbjax.llm import chat_prompt
 
 CHAT_QUESTIONS = [
     "What is the capital of France?",
@@ -74,11 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
 
     start = time.perf_counter()
-    tokenizer = llm.get_tokenizer()
-    chats = [
-        {"prompt": q, "prompt_token_ids": tokenizer.encode_chat(tokenizer.apply_chat_template([{"role": "user", "content": q}]))}
-        for q in CHAT_QUESTIONS
-    ]
+    # Chat and plain prompts in one batch (LLM.chat would run the chats as a batch of their own).
+    # The question stands as the printed prompt, not the whole rendered template.
+    chats = [chat_prompt(llm.get_tokenizer(), [{"role": "user", "content": q}]) | {"prompt": q} for q in CHAT_QUESTIONS]
     outputs = llm.generate(chats + PLAIN_PROMPTS, chat_params + plain_params)
     elapsed = time.perf_counter() - start
 

@@ -17,6 +17,12 @@ from cbjax.tokenizer import Tokenizer
 Message = dict[str, str]
 
 
+def chat_prompt(tokenizer: Tokenizer, conversation: Sequence[Message], add_generation_prompt: bool = True) -> dict:
+    """A conversation rendered with the model's chat template, as a prompt the engine takes."""
+    text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode_chat(text)}
+
+
 class LLM:
     """Load a converted checkpoint, compile every step, then generate for batches of prompts.
 
@@ -80,17 +86,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        prompts = [
-            {
-                "prompt": text,
-                "prompt_token_ids": tokenizer.encode_chat(text),
-            }
-            for text in (
-                tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-                for conversation in conversations
-            )
-        ]
+        prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
