@@ -160,13 +160,18 @@ class ModelRunner:
         return self._step_fn(bucket, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(bucket)).compile()
 
     def warm_up(self) -> None:
-        """Run every compiled step once on padding (it only writes the null block).
+        """Run every compiled step once on a one-token request that lives in the null block.
 
         An executable's first call pays one-off costs (hundreds of ms for SmolLM2 on CPU) that
-        belong to start-up, not to the first requests that happen to need that bucket.
+        belong to start-up, not to the first requests that happen to need that bucket. XLA:CPU
+        also sets up the library calls inside the attention's KV loop on their first run, so the
+        warm-up request attends to one position (all-padding inputs would skip the loop's body).
         """
         for bucket, compiled in self.compiled.items():
-            self.kv_caches, result = compiled(self.weights, self.kv_caches, jax.device_put(pack(self._host_inputs(bucket))))
+            inputs = self._host_inputs(bucket)
+            inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
+            inputs.attention.query_start_loc[1:] = 1
+            self.kv_caches, result = compiled(self.weights, self.kv_caches, jax.device_put(pack(inputs)))
             result.block_until_ready()
 
     def peak_step_bytes(self) -> int:
