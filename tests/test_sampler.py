@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cbjax.engine import sampler
-from cbjax.engine.sampler import SamplingRow, build_sampling_tensors, sample
+from cbjax.engine.sampler import PADDING_TEMPERATURE, SamplingRow, build_sampling_tensors, sample
 from cbjax.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -260,11 +260,11 @@ def test_sampling_never_sorts_the_whole_vocabulary():
     assert "f32[2,49152]{1,0} sort(" not in hlo
 
 
-def test_builder_pads_with_neutral_greedy_rows_and_fills_history_only_for_penalties():
+def test_builder_pads_with_neutral_padding_rows_and_fills_history_only_for_penalties():
     rows = [SamplingRow(SamplingParams(temperature=0.7, top_k=-1), 2**32 + 3, 5, [1, 2], [3]),
             SamplingRow(SamplingParams(repetition_penalty=1.2, temperature=0.0), 1, 1, [4, 5], [6], [7, 8])]
     t = build_sampling_tensors(rows, 4, 6, 3)
-    assert t.temperature.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0])
+    assert t.temperature.tolist() == pytest.approx([0.7, 0.0, PADDING_TEMPERATURE, PADDING_TEMPERATURE])
     assert t.top_k.tolist() == [0, 0, 0, 0] and t.top_p.tolist() == [1, 1, 1, 1]
     assert t.repetition_penalty.tolist() == pytest.approx([1.0, 1.2, 1.0, 1.0])
     assert t.seeds.dtype == np.uint32 and t.seeds.tolist() == [3, 1, 0, 0]
@@ -282,3 +282,19 @@ def test_builder_pads_with_neutral_greedy_rows_and_fills_history_only_for_penalt
 def test_builder_errors_name_the_value_and_limit(rows, message):
     with pytest.raises(ValueError, match=message):
         build_sampling_tensors(rows, 2, 6, 3)
+
+
+@pytest.mark.parametrize("greedy_rows", [0, 1])
+def test_padding_rows_never_change_the_real_rows_tokens(greedy_rows):
+    """With and without a greedy row (the argmax runs only then), real rows get what they get alone."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (4, 300)) * 2
+    params = [SamplingParams(temperature=0.0)] * greedy_rows + [SamplingParams(temperature=0.9, seed=5)]
+    rows = [SamplingRow(p, 7 + i, i, [], []) for i, p in enumerate(params)]
+    padded = sample_jit(logits, build_sampling_tensors(rows, 4, 4, 2), num_logprobs=None).token_ids
+    alone = [
+        int(sample_jit(logits[i : i + 1], build_sampling_tensors([row], 1, 4, 2), num_logprobs=None).token_ids[0])
+        for i, row in enumerate(rows)
+    ]
+    assert padded[: len(rows)].tolist() == alone
+    if greedy_rows:
+        assert alone[0] == int(jnp.argmax(logits[0]))
