@@ -35,6 +35,18 @@ BACKENDS = ("xla", "pallas", "pallas_interpret")
 XLA_MIXED_BLOCK_Q = 16  # query tile of the jnp path for mixed (prefill) steps
 
 
+def xla_mixed_block_q(num_tokens: int, num_reqs: int) -> int:
+    """Query tile of the jnp path for a mixed step of this bucket's shape.
+
+    Every request takes at least one tile, so a one-token decode pads its tile to block_q rows;
+    prompt tokens share each gathered page across the tile. Per layer on XLA:CPU (SmolLM2
+    shapes, float16 pool): a 512-token prefill ran 6.6 ms at 16 and 7.9 at 8, while 64 decodes
+    beside a 448-token chunk ran 18.8 at 16 and 15.1 at 8, and 15 decodes beside a 100-token
+    chunk 1.31 and 0.98. So 16 while the prompt tiles can outnumber the requests, else 8.
+    """
+    return XLA_MIXED_BLOCK_Q if num_tokens >= XLA_MIXED_BLOCK_Q * num_reqs else XLA_MIXED_BLOCK_Q // 2
+
+
 def _has_gpu() -> bool:
     try:
         return bool(jax.devices("gpu"))
@@ -120,9 +132,10 @@ def attention(
             return paged_decode_attention_reference(
                 q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale
             )
-        # Query tiles of 16 tokens share each gathered page: a 512-token prefill's attention ran
+        # Query tiles share each gathered page: a 512-token prefill's attention ran
         # 120 -> 11 ms per layer on XLA:CPU against one query per tile, a mixed batch 70 -> 22 ms.
-        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q)
+        block_q = xla_mixed_block_q(q.shape[0], metadata.seq_lens.shape[0])
+        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, block_q=block_q)
     interpret = backend == "pallas_interpret"
     if decode_only:
         return paged_decode_attention(
