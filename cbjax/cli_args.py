@@ -13,6 +13,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-num-prefills", type=int, default=8, help="most requests computing a prompt chunk in one step"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -25,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens block_size num_kv_blocks kv_cache_memory_bytes "
+        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
+        "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir"
     ).split()
     return {name: getattr(args, name) for name in names}

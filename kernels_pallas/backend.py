@@ -25,6 +25,7 @@ from kernels_pallas.paged_attention import check_kernel_shapes, paged_decode_att
 from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import (
     AttentionMetadata,
+    mixed_paged_attention_reference,
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
 )
@@ -123,8 +124,13 @@ def attention(
     *,
     backend: str,
     decode_only: bool,
+    max_num_prefills: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """Paged attention of one step's tokens. `decode_only`: token r belongs to request r."""
+    """Paged attention of one step's tokens. `decode_only`: token r belongs to request r.
+
+    `max_num_prefills`: at most this many requests have 2+ tokens in the step (the scheduler's
+    promise), so the jnp path runs one-token requests through its decode path (None: no bound).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
     if backend == "xla":
@@ -134,6 +140,10 @@ def attention(
             )
         # Query tiles share each gathered page: a 512-token prefill's attention ran
         # 120 -> 11 ms per layer on XLA:CPU against one query per tile, a mixed batch 70 -> 22 ms.
+        if max_num_prefills is not None:
+            return mixed_paged_attention_reference(
+                q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q, max_prefill_reqs=max_num_prefills
+            )
         block_q = xla_mixed_block_q(q.shape[0], metadata.seq_lens.shape[0])
         return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, block_q=block_q)
     interpret = backend == "pallas_interpret"

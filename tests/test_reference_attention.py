@@ -6,7 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from kernels_pallas.reference import AttentionMetadata, paged_decode_attention_reference, ragged_paged_attention_reference
+from kernels_pallas.reference import (
+    AttentionMetadata,
+    mixed_paged_attention_reference,
+    paged_decode_attention_reference,
+    ragged_paged_attention_reference,
+)
 
 
 def dense_attention(q, keys, values, scale, num_kv_heads):
@@ -79,3 +84,25 @@ def test_decode_reference_equals_dense_attention_and_padded_rows_give_zero():
     out = np.asarray(paged_decode_attention_reference(q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, 32**-0.5))
     np.testing.assert_allclose(out[:5], expected[:5], atol=2e-5)
     assert not out[5].any()
+
+
+@pytest.mark.parametrize("block_q", [4, 16])
+@pytest.mark.parametrize("requests, max_prefill_reqs", [
+    # decodes at block edges and a one-token prompt remainder beside two chunks (one over a prefix)
+    ([(1, 8), (9, 9), (1, 17), (1, 1), (5, 21), (1, 33)], 2),
+    ([(1, 8), (9, 9), (1, 17), (1, 1), (5, 21), (1, 33)], 6),
+    ([(16, 16)], 1),  # one chunk alone, a whole number of query tiles
+    ([(1, n) for n in (1, 7, 8, 9, 40)], 1),  # no chunk at all
+])
+def test_mixed_reference_runs_one_token_requests_through_the_decode_path(block_q, requests, max_prefill_reqs):
+    rng = np.random.default_rng(block_q + max_prefill_reqs)
+    num_tokens = sum(q_len for q_len, _ in requests) + 3  # three padding tokens
+    q, k_pages, v_pages, metadata, expected = build_batch(
+        rng, requests, num_kv_heads=2, num_q_heads=6, head_dim=16, block_size=8, num_blocks=40,
+        max_blocks=6, num_tokens=num_tokens, num_reqs=len(requests) + 2,
+    )
+    out = np.asarray(mixed_paged_attention_reference(
+        q, k_pages, v_pages, metadata, 16**-0.5, block_q=block_q, max_prefill_reqs=max_prefill_reqs
+    ))
+    np.testing.assert_allclose(out, expected, atol=2e-5)
+    assert not out[-3:].any()  # padding tokens give 0

@@ -105,6 +105,20 @@ def test_max_num_seqs_caps_running_requests():
     assert plan(output) == [("c", 2, 0, True)]
 
 
+def test_max_num_prefills_holds_back_prompt_chunks_but_not_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=32, max_num_prefills=2)
+    scheduler.add_request(make_request("a", 3, max_tokens=3))
+    step(scheduler)
+    for request_id in "bcd":
+        scheduler.add_request(make_request(request_id, 4, max_tokens=1))
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1, 3, True), ("b", 4, 0, True), ("c", 4, 0, True)]
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1, 4, True), ("d", 4, 0, True)]
+    with pytest.raises(ValueError, match="max_num_prefills is 0; it must be at least 1"):
+        make_scheduler(max_num_prefills=0)
+
+
 def test_long_prefill_token_threshold_caps_each_chunk():
     scheduler = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
     scheduler.add_request(make_request("a", 10))
@@ -309,6 +323,7 @@ def configs(draw) -> dict:
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=draw(st.integers(1 if chunked else max_model_len, max_model_len + 8)),
         long_prefill_token_threshold=draw(st.integers(0, 6)) if chunked else 0,
+        max_num_prefills=draw(st.none() | st.integers(1, 3)),
     )
 
 
@@ -340,6 +355,8 @@ def check_after_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
     manager.check_invariants(scheduler.requests.values())
     assert scheduler.num_running <= scheduler.max_num_seqs
     assert output.num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    num_prefills = sum(item.num_new_tokens > 1 for item in output.scheduled)
+    assert scheduler.max_num_prefills is None or num_prefills <= scheduler.max_num_prefills
     request_ids = [item.request.request_id for item in output.scheduled]
     assert len(set(request_ids)) == len(request_ids)
     for item in output.scheduled:

@@ -21,6 +21,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # or a fraction of device memory (GPU)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None  # defaults to 512 chunked, else max_model_len
+    # Most requests that compute a prompt chunk (2+ tokens) in one step; the others' chunks wait a
+    # step. It bounds the query tiles of the jnp attention, so decodes beside a chunk cost less.
+    max_num_prefills: int = 8
     attention_backend: str = "auto"  # "auto" | "pallas" | "pallas_interpret" | "xla"
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20
@@ -28,7 +31,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "block_size", "max_logprobs")
+        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -75,6 +75,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             block_manager=self.block_manager,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_prefills=config.max_num_prefills,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}

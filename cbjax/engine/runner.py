@@ -134,6 +134,7 @@ class ModelRunner:
                 inputs.logits_indices,
                 attention_backend=backend,
                 decode_only=bucket.kind == "decode",
+                max_num_prefills=self.config.max_num_prefills,
             )
             return kv_caches, pack_device(sample(logits, inputs.sampling, num_logprobs))
 
@@ -203,6 +204,12 @@ class ModelRunner:
     def prepare(self, scheduled: SchedulerOutput) -> tuple[Bucket, StepInputs]:
         """Pick the bucket and fill its host buffers (numpy only: no device arrays, no compiles)."""
         rows = scheduled.scheduled
+        num_prefills = sum(row.num_new_tokens > 1 for row in rows)
+        if num_prefills > self.config.max_num_prefills:
+            raise RuntimeError(
+                f"the scheduler gave {num_prefills} prompt chunks in one step; the compiled steps hold at most "
+                f"max_num_prefills={self.config.max_num_prefills} (a scheduler bug: report it)"
+            )
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]

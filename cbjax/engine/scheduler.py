@@ -3,7 +3,9 @@
 There is no separate prefill phase. Each step has a budget of max_num_batched_tokens:
 running requests go first, in admission order (one token for a decode, the next chunk
 of a partly computed prompt), then waiting requests are admitted in arrival order
-while there are seats, budget and blocks. A running request that cannot get a block
+while there are seats, budget and blocks. At most max_num_prefills requests compute
+more than one token in a step (the jnp attention sizes its query tiles by it); a
+prompt chunk beyond that waits for the next step. A running request that cannot get a block
 preempts the most recently admitted running request (possibly itself) by recompute,
 and nobody new is admitted in that step.
 """
@@ -54,6 +56,7 @@ class Scheduler:
         block_manager: BlockManager,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_num_prefills: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         for name, value in [
@@ -70,6 +73,8 @@ class Scheduler:
                 f"be scheduled; raise max_num_batched_tokens to {max_model_len} or set "
                 "enable_chunked_prefill=True"
             )
+        if max_num_prefills is not None and max_num_prefills < 1:
+            raise ValueError(f"max_num_prefills is {max_num_prefills}; it must be at least 1 or None (no limit)")
         if long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold is {long_prefill_token_threshold}; "
@@ -95,6 +100,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_prefills = max_num_prefills
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -149,10 +155,15 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        num_prefills = 0  # scheduled requests computing more than one token
+
+        def prefills_left() -> bool:
+            return self.max_num_prefills is None or num_prefills < self.max_num_prefills
+
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left())
             if num_new_tokens == 0:
                 index += 1
                 continue
@@ -165,6 +176,7 @@ class Scheduler:
             else:
                 scheduled.append(self._allocate(request, num_new_tokens))
                 token_budget -= num_new_tokens
+                num_prefills += num_new_tokens > 1
                 index += 1
 
         while (
@@ -174,7 +186,7 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left())
             if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -184,6 +196,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._allocate(request, num_new_tokens))
             token_budget -= num_new_tokens
+            num_prefills += num_new_tokens > 1
 
         return SchedulerOutput(scheduled, [request.request_id for request in preempted])
 
@@ -207,14 +220,16 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+    def _num_new_tokens(self, request: Request, token_budget: int, prefills_left: bool) -> int:
         """Tokens to compute for `request` this step; 0 if its whole remainder must wait."""
         num_new_tokens = request.num_tokens - request.num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
-        if num_new_tokens <= token_budget:
-            return num_new_tokens
-        return token_budget if self.enable_chunked_prefill else 0
+        if num_new_tokens > token_budget:
+            num_new_tokens = token_budget if self.enable_chunked_prefill else 0
+        if num_new_tokens > 1 and not prefills_left:
+            return 0  # this step already has max_num_prefills prompt chunks
+        return num_new_tokens
 
     def _allocate(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         self.block_manager.allocate(request, num_new_tokens)

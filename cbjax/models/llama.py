@@ -75,6 +75,7 @@ class Attention(nnx.Module):
         *,
         attention_backend: str,
         decode_only: bool,
+        max_num_prefills: int | None = None,
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         config = self.config
         num_tokens = x.shape[0]
@@ -87,7 +88,8 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k_pages, v_pages = kernels_pallas.write_kv(*kv_cache, k, v, metadata.slot_mapping)
         out = attention(
-            q, k_pages, v_pages, metadata, config.head_dim**-0.5, backend=attention_backend, decode_only=decode_only
+            q, k_pages, v_pages, metadata, config.head_dim**-0.5,
+            backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), (k_pages, v_pages)
 
@@ -119,10 +121,11 @@ class DecoderLayer(nnx.Module):
         *,
         attention_backend: str,
         decode_only: bool,
+        max_num_prefills: int | None = None,
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         attn_out, kv_cache = self.self_attn(
             self.input_layernorm(x), positions, kv_cache, metadata,
-            attention_backend=attention_backend, decode_only=decode_only,
+            attention_backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
         )
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
@@ -182,8 +185,12 @@ class LlamaForCausalLM(nnx.Module):
         *,
         attention_backend: str = "xla",
         decode_only: bool = False,
+        max_num_prefills: int | None = None,
     ) -> tuple[Float[Array, "samples vocab"], list[KVCache]]:
-        """Logits (float32) at rows `logits_indices` of the batch, and every layer's updated pool."""
+        """Logits (float32) at rows `logits_indices` of the batch, and every layer's updated pool.
+
+        `max_num_prefills`: the scheduler's bound on requests with 2+ tokens in the batch (None: none).
+        """
         if len(kv_caches) != self.config.num_hidden_layers:
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for {self.config.num_hidden_layers} layers; "
@@ -194,7 +201,8 @@ class LlamaForCausalLM(nnx.Module):
         new_caches = []
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, kv_cache = layer(
-                x, positions, kv_cache, metadata, attention_backend=attention_backend, decode_only=decode_only
+                x, positions, kv_cache, metadata,
+                attention_backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
             )
             new_caches.append(kv_cache)
         # Gather before the norm and head: only the sampled rows ever pay for the vocab projection.
