@@ -4,7 +4,8 @@
 
 Part 1, the jnp attention of one layer at SmolLM2's shapes (9 query heads, 3 KV heads, head_dim
 64, block 16), compiled alone: KV tile sizes for decodes, query tiles (block_q) for prefill and
-mixed batches, and a float32 against a float16 pool. Part 2, one whole decode step of the real
+mixed batches, one-token requests of a mixed step through the decode path against a query tile
+each, and a float32 against a float16 pool. Part 2, one whole decode step of the real
 model (weights, KV write, attention, LM head) with float32 weights against bf16 weights under
 float32 activations. Every variant is timed in this process, variants interleaved over
 `--rounds`, medians of `--repeats` calls each; ms.
@@ -25,7 +26,11 @@ from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.models.llama import init_kv_caches
-from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference
+from kernels_pallas.reference import (
+    AttentionMetadata,
+    mixed_paged_attention_reference,
+    ragged_paged_attention_reference,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -60,7 +65,7 @@ def attention_case(requests: list[tuple[int, int]], num_tokens: int, kv_dtype: s
 
 
 def attention_variants() -> dict[str, tuple]:
-    """name -> (requests, num_tokens, kv dtype, reference kwargs)."""
+    """name -> (requests, num_tokens, kv dtype, reference kwargs); `split` picks mixed_paged_attention_reference."""
     variants = {}
     for num_reqs, ctx in [(256, 60), (32, 200), (16, 400)]:
         for tile in (16, 128):
@@ -69,9 +74,16 @@ def attention_variants() -> dict[str, tuple]:
             variants[f"decode {num_reqs}x{ctx}, default tile, {kv} pool"] = ([(1, ctx)] * num_reqs, num_reqs, kv, {})
     prefill = [(512, 600)] + [(0, 0)] * 7
     mixed = [(1, 300)] * 64 + [(448, 448)]
-    for block_q in (1, 16):
+    for block_q in (1, 8, 16):
         variants[f"prefill 512 over 600, block_q {block_q}"] = (prefill, 512, "float32", dict(block_q=block_q))
         variants[f"mixed 64 decodes + 448 chunk, block_q {block_q}"] = (mixed, 512, "float32", dict(block_q=block_q))
+    small = [(1, 151)] * 15 + [(100, 100)]
+    for block_q in (8, 16):
+        variants[f"mixed 15 decodes + 100 chunk, block_q {block_q}"] = (small, 128, "float16", dict(block_q=block_q))
+    # One-token requests through the decode path, prompt chunks in query tiles (the engine's mixed steps).
+    variants["mixed 64 decodes + 448 chunk, decodes apart, block_q 16"] = (
+        mixed, 512, "float16", dict(block_q=16, max_prefill_reqs=8, split=True))
+    variants["mixed 64 decodes + 448 chunk, every request a tile, block_q 8"] = (mixed, 512, "float16", dict(block_q=8))
     return variants
 
 
@@ -120,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, (requests, num_tokens, kv_dtype, kwargs) in attention_variants().items():
         q, k, v, metadata = attention_case(requests, num_tokens, kv_dtype)
-        f = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=HEAD_DIM**-0.5, **kwargs))
+        kwargs = dict(kwargs)
+        reference = mixed_paged_attention_reference if kwargs.pop("split", False) else ragged_paged_attention_reference
+        f = jax.jit(functools.partial(reference, sm_scale=HEAD_DIM**-0.5, **kwargs))
         runs[f"attention (one layer): {name}"] = functools.partial(f, q, k, v, metadata)
     runs |= decode_step_variants(args.model, args.batches, args.context)
     results: dict[str, list[float]] = {name: [] for name in runs}
