@@ -16,8 +16,7 @@ def test_buckets_cover_every_step_and_prune_infeasible_pairs():
     decode = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "decode"]
     mixed = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "mixed"]
     assert decode == [(8, 8), (16, 16), (32, 32), (64, 64)]
-    assert mixed == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 64), (128, 8), (128, 64),
-                     (256, 8), (256, 64), (512, 8), (512, 64)]
+    assert mixed == [(16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64)]
     assert all(b.num_reqs <= b.num_tokens for b in buckets)
     # Limits that are not powers of two are buckets themselves, so the largest step always fits.
     odd = compute_buckets(max_num_seqs=12, max_num_batched_tokens=100)
@@ -45,8 +44,8 @@ def test_a_lone_request_runs_in_a_two_row_step():
 def test_pick_bucket_takes_the_smallest_that_fits_and_explains_a_miss():
     buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
     assert pick_bucket(buckets, "decode", 9, 9) == Bucket("decode", 16, 16)
-    assert pick_bucket(buckets, "mixed", 100, 3) == Bucket("mixed", 128, 8)
-    assert pick_bucket(buckets, "mixed", 100, 9) == Bucket("mixed", 128, 64)
+    assert pick_bucket(buckets, "mixed", 100, 3) == Bucket("mixed", 128, 64)
+    assert pick_bucket(buckets, "mixed", 9, 9) == Bucket("mixed", 16, 16)
     with pytest.raises(ValueError, match="no mixed bucket holds 513 tokens"):
         pick_bucket(buckets, "mixed", 513, 1)
 

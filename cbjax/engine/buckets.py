@@ -38,11 +38,11 @@ def compute_buckets(
     """All step shapes compiled at start-up.
 
     Decode steps are bucketed by request count. Mixed steps are bucketed by token
-    count and request count; a mixed step never has more requests than tokens,
-    so those pairs are pruned. Each token bucket gets two request buckets, the
-    smallest and the largest feasible: a mixed step is usually one prompt chunk
-    alone or a chunk beside many decodes, and every extra bucket costs compile
-    time at start-up. No bucket has fewer than MIN_ROWS rows.
+    count, each with the most requests it can hold (never more requests than
+    tokens): a mixed step's padded request rows are nearly free (one-token requests
+    run through the decode path, which skips empty rows' work: a 256-token prompt
+    alone ran 164 ms in an 8-row and 166 ms in a 32-row bucket), while every bucket
+    costs several seconds of compiling at start-up. No bucket has fewer than MIN_ROWS rows.
     """
     first_reqs = max(MIN_ROWS, min(min_decode_reqs, max_num_seqs))
     req_sizes = powers_of_two(first_reqs, max(max_num_seqs, first_reqs))
@@ -51,7 +51,7 @@ def compute_buckets(
     mixed = []
     for num_tokens in powers_of_two(first_tokens, max(max_num_batched_tokens, first_tokens)):
         feasible = [r for r in req_sizes if r <= num_tokens] or [max(MIN_ROWS, min(num_tokens, max_num_seqs))]
-        mixed += [Bucket("mixed", num_tokens, r) for r in sorted({feasible[0], feasible[-1]})]
+        mixed.append(Bucket("mixed", num_tokens, feasible[-1]))
     return decode + mixed
 
 
