@@ -13,6 +13,7 @@ On a CPU "auto" is "xla".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -115,22 +116,30 @@ def resolve_backend(
     return chosen
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How one compiled step runs attention: static, fixed per bucket, passed down every layer.
+
+    backend: one of BACKENDS. decode_only: token r belongs to request r. max_num_prefills: at most
+    this many requests have 2+ tokens in the step (the scheduler's promise), so the jnp path runs
+    one-token requests through its decode path (None: no bound).
+    """
+
+    backend: str = "xla"
+    decode_only: bool = False
+    max_num_prefills: int | None = None
+
+
 def attention(
     q: Float[Array, "tokens q_heads dim"],
     k_pages: Float[Array, "kv_heads blocks block_size dim"],
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     metadata: AttentionMetadata,
     sm_scale: float,
-    *,
-    backend: str,
-    decode_only: bool,
-    max_num_prefills: int | None = None,
+    plan: AttentionPlan,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """Paged attention of one step's tokens. `decode_only`: token r belongs to request r.
-
-    `max_num_prefills`: at most this many requests have 2+ tokens in the step (the scheduler's
-    promise), so the jnp path runs one-token requests through its decode path (None: no bound).
-    """
+    """Paged attention of one step's tokens, run as `plan` says."""
+    backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
     if backend == "xla":

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.bench import kernels as kernel_bench
-from kernels_pallas.backend import attention, resolve_backend
+from kernels_pallas.backend import AttentionPlan, attention, resolve_backend
 from kernels_pallas.paged_attention import paged_decode_attention
 from kernels_pallas.ragged_attention import query_tiles, ragged_paged_attention
 from kernels_pallas.reference import (
@@ -244,7 +244,7 @@ def test_interpreted_backend_equals_xla_backend(decode_only: bool):
     q = random_q(rng, case, num_tokens)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
     outs = [
-        attention(q, k_pages, v_pages, metadata, SM_SCALE, backend=backend, decode_only=decode_only)
+        attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan(backend, decode_only))
         for backend in ("pallas_interpret", "xla")
     ]
     assert_matches(*outs, case.dtype)

@@ -19,6 +19,7 @@ from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.models import init_kv_caches
 from helpers_hf import hf_logits, make_tiny_hf_model
 from kernels_pallas import AttentionMetadata
+from kernels_pallas.backend import AttentionPlan
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -59,7 +60,7 @@ def loaded(request, tmp_path_factory) -> Loaded:
 
     def step(decode_only, kv_caches, token_ids, positions, metadata, logits_indices):
         return nnx.merge(graphdef, state)(
-            token_ids, positions, kv_caches, metadata, logits_indices, decode_only=decode_only
+            token_ids, positions, kv_caches, metadata, logits_indices, AttentionPlan(decode_only=decode_only)
         )
 
     return Loaded(

@@ -26,6 +26,7 @@ from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.models.llama import init_kv_caches
+from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import (
     AttentionMetadata,
     mixed_paged_attention_reference,
@@ -108,7 +109,8 @@ def decode_step_variants(model_dir: str, batches: list[int], context: int) -> di
 
             @functools.partial(jax.jit, donate_argnums=(1,))
             def step(state, kv, tokens, positions, metadata, graphdef=graphdef):
-                logits, kv = nnx.merge(graphdef, state)(tokens, positions, kv, metadata, tokens, decode_only=True)
+                plan = AttentionPlan(decode_only=True)
+                logits, kv = nnx.merge(graphdef, state)(tokens, positions, kv, metadata, tokens, plan)
                 return kv, logits
 
             def run(step=step, state=state, box=box, tokens=tokens, positions=positions, metadata=metadata):

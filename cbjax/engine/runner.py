@@ -27,6 +27,7 @@ from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.models.llama import init_kv_caches
+from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,7 @@ class ModelRunner:
                 kv_caches,
                 inputs.attention,
                 inputs.logits_indices,
-                attention_backend=backend,
-                decode_only=bucket.kind == "decode",
-                max_num_prefills=self.config.max_num_prefills,
+                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills),
             )
             return kv_caches, pack_device(sample(logits, inputs.sampling, num_logprobs))
 

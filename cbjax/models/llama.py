@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 import kernels_pallas
 from cbjax.config import ModelConfig
 from cbjax.models.rope import apply_rope, rope_inv_freq
-from kernels_pallas.backend import attention
+from kernels_pallas.backend import AttentionPlan, attention
 from kernels_pallas.reference import AttentionMetadata
 
 KVPages = Float[Array, "kv_heads blocks block_size dim"]
@@ -77,10 +77,7 @@ class Attention(nnx.Module):
         positions: Int[Array, "tokens"],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-        *,
-        attention_backend: str,
-        decode_only: bool,
-        max_num_prefills: int | None = None,
+        plan: AttentionPlan,
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         config = self.config
         num_tokens = x.shape[0]
@@ -92,10 +89,7 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(config)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k_pages, v_pages = kernels_pallas.write_kv(*kv_cache, k, v, metadata.slot_mapping)
-        out = attention(
-            q, k_pages, v_pages, metadata, config.head_dim**-0.5,
-            backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
-        )
+        out = attention(q, k_pages, v_pages, metadata, config.head_dim**-0.5, plan)
         return self.o_proj(out.reshape(num_tokens, -1)), (k_pages, v_pages)
 
 
@@ -123,15 +117,9 @@ class DecoderLayer(nnx.Module):
         positions: Int[Array, "tokens"],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-        *,
-        attention_backend: str,
-        decode_only: bool,
-        max_num_prefills: int | None = None,
+        plan: AttentionPlan,
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
-        attn_out, kv_cache = self.self_attn(
-            self.input_layernorm(x), positions, kv_cache, metadata,
-            attention_backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
-        )
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata, plan)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -191,15 +179,9 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         logits_indices: Int[Array, "samples"],
-        *,
-        attention_backend: str = "xla",
-        decode_only: bool = False,
-        max_num_prefills: int | None = None,
+        plan: AttentionPlan = AttentionPlan(),
     ) -> tuple[Float[Array, "samples vocab"], list[KVCache]]:
-        """Logits (float32) at rows `logits_indices` of the batch, and every layer's updated pool.
-
-        `max_num_prefills`: the scheduler's bound on requests with 2+ tokens in the batch (None: none).
-        """
+        """Logits (float32) at rows `logits_indices` of the batch, and every layer's updated pool."""
         if len(kv_caches) != self.config.num_hidden_layers:
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for {self.config.num_hidden_layers} layers; "
@@ -209,10 +191,7 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens.embedding[...][token_ids].astype(self.activation_dtype)
         new_caches = []
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, kv_cache = layer(
-                x, positions, kv_cache, metadata,
-                attention_backend=attention_backend, decode_only=decode_only, max_num_prefills=max_num_prefills,
-            )
+            x, kv_cache = layer(x, positions, kv_cache, metadata, plan)
             new_caches.append(kv_cache)
         # Gather before the norm and head: only the sampled rows ever pay for the vocab projection.
         x = self.model.norm(x[logits_indices])
