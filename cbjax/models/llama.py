@@ -168,9 +168,9 @@ class LlamaForCausalLM(nnx.Module):
     def derive_weights(self) -> None:
         """Recompute the DerivedWeights from the parameters (call after loading them)."""
         if self.tied_head is not None:
-            table = np.asarray(self.model.embed_tokens.embedding[...]).T
-            for part, columns in zip(self.tied_head, np.array_split(table, TIED_HEAD_PARTS, axis=1)):
-                part[...] = jnp.asarray(columns)
+            table = self.model.embed_tokens.embedding[...].T
+            for part, columns in zip(self.tied_head, jnp.array_split(table, TIED_HEAD_PARTS, axis=1)):
+                part[...] = columns
 
     def __call__(
         self,
