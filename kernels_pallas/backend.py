@@ -1,14 +1,16 @@
 """Which attention implementation runs: chosen once at start-up, logged once.
 
 Backends:
-  "xla"              the jnp reference (the CPU serving default)
+  "cpp"              the C++ kernel of kernels_cpu, an XLA FFI custom call (the CPU serving default)
+  "xla"              the jnp reference (any platform; the fallback)
   "pallas"           compiled Pallas kernels, Triton lowering (GPU)
   "pallas_interpret" the same kernels interpreted on CPU (tests; slow)
 
 "auto" takes "pallas" on a GPU once a probe has compiled and run both kernels
 there (at the model's shapes when given); if that fails it warns with the
 reason and takes "xla", which is correct but several times slower at prefill.
-On a CPU "auto" is "xla".
+On a CPU "auto" takes "cpp" once the kernel is built and registered (it is
+compiled on first use), else it warns with the reason and takes "xla".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from kernels_cpu import kernel_problem, ragged_paged_attention_cpu
 from kernels_pallas.paged_attention import check_kernel_shapes, paged_decode_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import (
@@ -33,7 +36,7 @@ from kernels_pallas.reference import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
+BACKENDS = ("xla", "cpp", "pallas", "pallas_interpret")
 XLA_MIXED_BLOCK_Q = 16  # query tile of the jnp path for mixed (prefill) steps
 
 
@@ -91,6 +94,23 @@ def resolve_backend(
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
     chosen = "xla" if requested == "auto" else requested
+    platform = jax.devices()[0].platform
+    if requested == "cpp" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpp' is the CPU kernel, but JAX runs on {platform}; use 'auto'")
+    if requested in ("auto", "cpp") and platform == "cpu":
+        problem = kernel_problem()
+        if problem is None:
+            chosen = "cpp"
+        elif requested == "cpp":
+            raise RuntimeError(f"attention_backend='cpp': the CPU kernel is unusable here ({problem})")
+        else:
+            warnings.warn(
+                f"the C++ CPU attention kernel is unusable here ({problem}); serving with the jnp reference "
+                "attention instead, which is correct but about 2-3x slower per layer. Pass attention_backend='xla' "
+                "to silence this, or fix the cause above.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     if requested == "pallas" and not _has_gpu():
         # Without a GPU the same kernels run interpreted: correct, slow, meant for testing.
         warnings.warn(
@@ -142,6 +162,8 @@ def attention(
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
+    if backend == "cpp":
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale)
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(

@@ -112,6 +112,15 @@ def test_interpreted_pallas_kernels_match_transformers(tiny, expected):
     assert [o.outputs[0].token_ids for o in outs] == want[:4]
 
 
+def test_jnp_attention_backend_matches_transformers(tiny, expected, llm):
+    # The default engine on a CPU serves with the C++ kernel; the jnp path is the fallback.
+    assert llm.llm_engine.backend == "cpp"
+    prompts, want = expected
+    jnp_path = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(attention_backend="xla")))
+    outs = jnp_path.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 class CompileCounter:
     """Counts XLA backend compiles while armed (jax.monitoring has no unregister, so arm/disarm)."""
 

@@ -24,7 +24,7 @@ class EngineConfig:
     # Most requests that compute a prompt chunk (2+ tokens) in one step; the others' chunks wait a
     # step. It bounds the query tiles of the jnp attention, so decodes beside a chunk cost less.
     max_num_prefills: int = 8
-    attention_backend: str = "auto"  # "auto" | "pallas" | "pallas_interpret" | "xla"
+    attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20
     compilation_cache_dir: str | None = None  # persistent XLA compilation cache

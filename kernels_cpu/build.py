@@ -1,0 +1,83 @@
+"""Compile `paged_attention.cc` into a shared library, once per machine, source and jaxlib.
+
+The library goes to $CBJAX_KERNEL_CACHE (default ~/.cache/cbjax/kernels) under a name hashed
+from the source, the flags, the compiler, jaxlib's version and this CPU's feature flags: a
+change to any of them builds anew, and a folder shared between machines never hands one a
+library built for another's instruction set (`-march=native`). The compiler is $CXX or `c++`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+# -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
+# reductions; it keeps infinities and NaN, unlike -ffast-math.
+FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-fno-math-errno",
+    "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+)
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("CBJAX_KERNEL_CACHE") or pathlib.Path.home() / ".cache" / "cbjax" / "kernels")
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(
+            f"no C++ compiler: {cxx!r} is not on PATH; install one (e.g. `apt install g++`) or set CXX"
+        )
+    return cxx
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path(cxx: str) -> pathlib.Path:
+    import jaxlib
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+                 _cpu_flags().encode()):
+        key.update(part)
+    return cache_dir() / f"cbjax_paged_attention_{key.hexdigest()[:16]}.so"
+
+
+def build() -> pathlib.Path:
+    """The library's path, compiling it first if this machine has none (about 10 s)."""
+    import jax.ffi
+
+    cxx = compiler()
+    target = library_path(cxx)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent builds (test workers) never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,267 @@
+// Ragged paged attention over the KV block pool, for XLA:CPU (an XLA FFI custom call).
+//
+// The contract is kernels_pallas/reference.py's `ragged_paged_attention_reference`:
+//   q            f32 [tokens, q_heads, dim]       the step's new tokens, requests back to back
+//   k/v_pages    T   [kv_heads, blocks, block_size, dim]   T = f32, f16 or bf16
+//   query_start  s32 [reqs + 1]                   cumulative q lengths
+//   seq_lens     s32 [reqs]                       KV length after the step (cached + new)
+//   block_tables s32 [reqs, max_blocks]
+//   out          f32 [tokens, q_heads, dim]; rows of padding tokens are 0.
+// Token i of request r sits at position seq_lens[r] - q_len + i and attends causally to the
+// positions 0..its own. Unlike the fixed-shape jnp path this loop visits only real tokens and
+// real keys, so padding rows and unused pages (NaN in the tests) are never read.
+//
+// Work items are (request, kv head, tile of up to kTileRows query tokens); the rows of a tile
+// and their group of query heads share every key and value row they read, which is converted
+// to f32 once. Items are shared out between the calling thread and XLA's intra-op threads.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileRows = 16;  // query tokens of one request per work item
+constexpr int kChunk = 64;     // keys per online-softmax chunk
+
+struct F16Tag {};
+struct BF16Tag {};
+
+inline float half_to_float(uint16_t h) {
+  // IEEE half -> float, subnormals, inf and NaN included (no F16C needed).
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One row of `dim` pool elements -> f32.
+inline void load_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, dim * sizeof(float)); }
+
+inline void load_row(const uint16_t* src, float* dst, int dim, F16Tag) {
+  int d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= dim; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+#endif
+  for (; d < dim; ++d) dst[d] = half_to_float(src[d]);
+}
+
+inline void load_row(const uint16_t* src, float* dst, int dim, BF16Tag) {
+  for (int d = 0; d < dim; ++d) {
+    uint32_t bits = (uint32_t)src[d] << 16;
+    std::memcpy(dst + d, &bits, 4);
+  }
+}
+
+template <typename Tag>
+struct Pool;
+template <>
+struct Pool<float> {
+  using T = float;
+  static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim); }
+};
+template <>
+struct Pool<F16Tag> {
+  using T = uint16_t;
+  static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, F16Tag{}); }
+};
+template <>
+struct Pool<BF16Tag> {
+  using T = uint16_t;
+  static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, BF16Tag{}); }
+};
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |rel err| < 2e-7.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Shapes {
+  int64_t tokens, q_heads, dim, kv_heads, blocks, block_size, reqs, max_blocks;
+};
+
+struct Item {
+  int32_t req, kv_head, first_token, num_tokens;
+};
+
+template <typename Tag>
+void run_item(const Item& item, const Shapes& s, const float* q, const typename Pool<Tag>::T* k_pages,
+              const typename Pool<Tag>::T* v_pages, const int32_t* query_start, const int32_t* seq_lens,
+              const int32_t* block_tables, float sm_scale, float* out) {
+  const int group = (int)(s.q_heads / s.kv_heads), dim = (int)s.dim, bs = (int)s.block_size;
+  const int rows = item.num_tokens * group;  // row = token * group + head within the group
+  const int32_t q_len = query_start[item.req + 1] - query_start[item.req];
+  const int64_t first_pos = (int64_t)seq_lens[item.req] - q_len + (item.first_token - query_start[item.req]);
+  if (first_pos < 0) return;  // inconsistent metadata: leave the rows at 0
+  const int64_t kv_end = first_pos + item.num_tokens;  // the last row attends to kv_end - 1
+  const int32_t* table = block_tables + (int64_t)item.req * s.max_blocks;
+  const int64_t page_stride = s.block_size * s.dim, head_stride = s.blocks * page_stride;
+
+  std::vector<float> qs(rows * dim), acc(rows * dim, 0.0f), m(rows, -INFINITY), l(rows, 0.0f);
+  std::vector<float> kc(kChunk * dim), vc(kChunk * dim), sc(rows * kChunk);
+  for (int t = 0; t < item.num_tokens; ++t)
+    for (int g = 0; g < group; ++g) {
+      const float* src = q + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
+      float* dst = &qs[(t * group + g) * dim];
+      for (int d = 0; d < dim; ++d) dst[d] = src[d] * sm_scale;
+    }
+
+  for (int64_t c0 = 0; c0 < kv_end; c0 += kChunk) {
+    const int nk = (int)std::min<int64_t>(kChunk, kv_end - c0);
+    for (int j = 0; j < nk; ++j) {
+      const int64_t pos = c0 + j, page_index = pos / bs;
+      if (page_index >= s.max_blocks) return;  // seq_len beyond the block table: metadata bug
+      const int64_t block = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1);
+      const int64_t offset = item.kv_head * head_stride + block * page_stride + (pos % bs) * s.dim;
+      Pool<Tag>::load(k_pages + offset, &kc[j * dim], dim);
+      Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
+    }
+    for (int r = 0; r < rows; ++r) {
+      // Keys past this row's own position are causal-masked: it sees nk_r of the chunk's keys.
+      const int64_t limit = first_pos + r / group + 1;
+      const int nk_r = (int)std::clamp<int64_t>(limit - c0, 0, nk);
+      if (nk_r == 0) continue;
+      const float* qr = &qs[r * dim];
+      float* sr = &sc[r * kChunk];
+      float chunk_max = -INFINITY;
+      for (int j = 0; j < nk_r; ++j) {
+        const float* kj = &kc[j * dim];
+        float dot = 0.0f;
+#pragma GCC ivdep
+        for (int d = 0; d < dim; ++d) dot += qr[d] * kj[d];
+        sr[j] = dot;
+        chunk_max = std::max(chunk_max, dot);
+      }
+      const float m_new = std::max(m[r], chunk_max);
+      const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
+      float sum = 0.0f;
+      for (int j = 0; j < nk_r; ++j) {
+        sr[j] = exp_nonpos(sr[j] - m_new);
+        sum += sr[j];
+      }
+      l[r] = alpha * l[r] + sum;
+      m[r] = m_new;
+      float* ar = &acc[r * dim];
+      for (int d = 0; d < dim; ++d) ar[d] *= alpha;
+      for (int j = 0; j < nk_r; ++j) {
+        const float p = sr[j];
+        const float* vj = &vc[j * dim];
+        for (int d = 0; d < dim; ++d) ar[d] += p * vj[d];
+      }
+    }
+  }
+  for (int t = 0; t < item.num_tokens; ++t)
+    for (int g = 0; g < group; ++g) {
+      const int r = t * group + g;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float* dst = out + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
+      for (int d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv;
+    }
+}
+
+// Items claimed from a shared counter by the caller and by helper tasks on XLA's thread pool.
+// Helpers hold the state by shared_ptr: one that starts after the call returned finds no item
+// left and touches nothing else.
+struct Work {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+template <typename Tag>
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+  using T = typename Pool<Tag>::T;
+  auto qd = q.dimensions(), kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("cbjax attention: q must be 3-d, the pools 4-d, block_tables 2-d");
+  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
+  if (kd[3] != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || query_start.dimensions()[0] != s.reqs + 1)
+    return ffi::Error::InvalidArgument("cbjax attention: q, pool, query_start and seq_lens shapes disagree");
+
+  float* o = out->typed_data();
+  std::fill(o, o + s.tokens * s.q_heads * s.dim, 0.0f);
+  const int32_t* qsl = query_start.typed_data();
+  auto work = std::make_shared<Work>();
+  for (int32_t r = 0; r < s.reqs; ++r) {
+    const int32_t start = std::max(0, qsl[r]), end = std::min<int32_t>(qsl[r + 1], (int32_t)s.tokens);
+    for (int32_t t = start; t < end; t += kTileRows)
+      for (int32_t h = 0; h < s.kv_heads; ++h)
+        work->items.push_back({r, h, t, std::min(kTileRows, end - t)});
+  }
+  const int64_t n = (int64_t)work->items.size();
+  const float* qp = q.typed_data();
+  const T* kp = reinterpret_cast<const T*>(k_pages.untyped_data());
+  const T* vp = reinterpret_cast<const T*>(v_pages.untyped_data());
+  const int32_t *sl = seq_lens.typed_data(), *bt = block_tables.typed_data();
+  auto drain = [=](Work& w) {
+    for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
+      run_item<Tag>(w.items[i], s, qp, kp, vp, qsl, sl, bt, sm_scale, o);
+      w.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
+  drain(*work);
+  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define CBJAX_BIND                                 \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::AnyBuffer>()                       \
+      .Arg<ffi::AnyBuffer>()                       \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Attr<float>("sm_scale")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF16, attention_impl<F16Tag>, CBJAX_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionBF16, attention_impl<BF16Tag>, CBJAX_BIND);
