@@ -5,9 +5,10 @@
 Part 1, the jnp attention of one layer at SmolLM2's shapes (9 query heads, 3 KV heads, head_dim
 64, block 16), compiled alone: KV tile sizes for decodes, query tiles (block_q) for prefill and
 mixed batches, one-token requests of a mixed step through the decode path against a query tile
-each, and a float32 against a float16 pool. Part 2, one whole decode step of the real
-model (weights, KV write, attention, LM head) with float32 weights against bf16 weights under
-float32 activations. Every variant is timed in this process, variants interleaved over
+each, a float32 against a float16 pool, and the C++ kernel (kernels_cpu) on the same cases.
+Part 2, one whole decode step of the real model (weights, KV write, attention, LM head) with
+float32 weights against bf16 weights under float32 activations, and with bf16 weights the jnp
+attention against the C++ kernel. Every variant is timed in this process, variants interleaved over
 `--rounds`, medians of `--repeats` calls each; ms.
 """
 
@@ -26,6 +27,7 @@ from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.models.llama import init_kv_caches
+from kernels_cpu import ragged_paged_attention_cpu
 from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import (
     AttentionMetadata,
@@ -66,7 +68,7 @@ def attention_case(requests: list[tuple[int, int]], num_tokens: int, kv_dtype: s
 
 
 def attention_variants() -> dict[str, tuple]:
-    """name -> (requests, num_tokens, kv dtype, reference kwargs); `split` picks mixed_paged_attention_reference."""
+    """name -> (requests, num_tokens, kv dtype, kwargs); `split` picks mixed_paged_attention_reference, `cpp` the C++ kernel."""
     variants = {}
     for num_reqs, ctx in [(256, 60), (32, 200), (16, 400)]:
         for tile in (16, 128):
@@ -85,13 +87,20 @@ def attention_variants() -> dict[str, tuple]:
     variants["mixed 64 decodes + 448 chunk, decodes apart, block_q 16"] = (
         mixed, 512, "float16", dict(block_q=16, max_prefill_reqs=8, split=True))
     variants["mixed 64 decodes + 448 chunk, every request a tile, block_q 8"] = (mixed, 512, "float16", dict(block_q=8))
+    # The C++ kernel on the cases the engine's steps look like (float16 pool).
+    for num_reqs, ctx in [(256, 60), (32, 200), (16, 400), (16, 100)]:
+        variants[f"decode {num_reqs}x{ctx}, float16 pool, jnp"] = ([(1, ctx)] * num_reqs, num_reqs, "float16", {})
+        variants[f"decode {num_reqs}x{ctx}, float16 pool, C++"] = ([(1, ctx)] * num_reqs, num_reqs, "float16", dict(cpp=True))
+    variants["mixed 15 decodes + 100 chunk, C++"] = (small, 128, "float16", dict(cpp=True))
+    variants["mixed 64 decodes + 448 chunk, C++"] = (mixed, 512, "float16", dict(cpp=True))
+    variants["prefill 512 over 600, float16 pool, C++"] = (prefill, 512, "float16", dict(cpp=True))
     return variants
 
 
 def decode_step_variants(model_dir: str, batches: list[int], context: int) -> dict[str, object]:
     """name -> a zero-argument function running one decode step of the real model."""
     variants = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype, backend in (("float32", "xla"), ("bfloat16", "xla"), ("bfloat16", "cpp")):
         model, config = load_model(model_dir, dtype=dtype, activation_dtype="float32")
         graphdef, state = nnx.split(model)
         for num_reqs in batches:
@@ -108,8 +117,8 @@ def decode_step_variants(model_dir: str, batches: list[int], context: int) -> di
             positions = jnp.full((num_reqs,), context, jnp.int32)
 
             @functools.partial(jax.jit, donate_argnums=(1,))
-            def step(state, kv, tokens, positions, metadata, graphdef=graphdef):
-                plan = AttentionPlan(decode_only=True)
+            def step(state, kv, tokens, positions, metadata, graphdef=graphdef, backend=backend):
+                plan = AttentionPlan(backend, decode_only=True)
                 logits, kv = nnx.merge(graphdef, state)(tokens, positions, kv, metadata, tokens, plan)
                 return kv, logits
 
@@ -117,7 +126,8 @@ def decode_step_variants(model_dir: str, batches: list[int], context: int) -> di
                 box["kv"], logits = step(state, box["kv"], tokens, positions, metadata)
                 return logits
 
-            variants[f"decode step {num_reqs} requests x {context} tokens, {dtype} weights"] = run
+            attention = "jnp" if backend == "xla" else "C++"
+            variants[f"decode step {num_reqs} requests x {context} tokens, {dtype} weights, {attention} attention"] = run
     return variants
 
 
@@ -135,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (requests, num_tokens, kv_dtype, kwargs) in attention_variants().items():
         q, k, v, metadata = attention_case(requests, num_tokens, kv_dtype)
         kwargs = dict(kwargs)
-        reference = mixed_paged_attention_reference if kwargs.pop("split", False) else ragged_paged_attention_reference
+        if kwargs.pop("cpp", False):
+            reference = ragged_paged_attention_cpu
+        else:
+            reference = mixed_paged_attention_reference if kwargs.pop("split", False) else ragged_paged_attention_reference
         f = jax.jit(functools.partial(reference, sm_scale=HEAD_DIM**-0.5, **kwargs))
         runs[f"attention (one layer): {name}"] = functools.partial(f, q, k, v, metadata)
     runs |= decode_step_variants(args.model, args.batches, args.context)
