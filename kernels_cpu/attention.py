@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import jax
@@ -37,16 +38,19 @@ def kernel_problem() -> str | None:
     return None
 
 
-def ragged_paged_attention_cpu(
+def write_kv_and_attend_cpu(
     q: Float[Array, "tokens q_heads dim"],
+    k: Float[Array, "tokens kv_heads dim"],
+    v: Float[Array, "tokens kv_heads dim"],
     k_pages: Float[Array, "kv_heads blocks block_size dim"],
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     metadata: AttentionMetadata,
     sm_scale: float,
-) -> Float[Array, "tokens q_heads dim"]:
-    """`ragged_paged_attention_reference`'s result, computed by the C++ kernel (CPU only).
+) -> tuple[Float[Array, "tokens q_heads dim"], Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]]:
+    """`write_kv` then `ragged_paged_attention_reference`, in one C++ call (CPU only).
 
-    Decode steps are the case of one token per request; there is no separate decode entry.
+    The pools go in and come out aliased, so under a donating jit the write is in place. Decode
+    steps are the case of one token per request; there is no separate decode entry.
     """
     if k_pages.dtype not in TARGETS or v_pages.dtype != k_pages.dtype:
         raise ValueError(
@@ -54,9 +58,16 @@ def ragged_paged_attention_cpu(
             f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
         )
     _register()
-    call = jax.ffi.ffi_call(TARGETS[k_pages.dtype][0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(
+    call = jax.ffi.ffi_call(
+        TARGETS[k_pages.dtype][0],
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32), k_pages, v_pages),
+        input_output_aliases={4: 1, 5: 2},
+    )
+    out, k_pages, v_pages = call(
         q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        metadata.slot_mapping.astype(jnp.int32),
         k_pages,
         v_pages,
         metadata.query_start_loc.astype(jnp.int32),
@@ -64,4 +75,18 @@ def ragged_paged_attention_cpu(
         metadata.block_tables.astype(jnp.int32),
         sm_scale=np.float32(sm_scale),
     )
-    return out.astype(q.dtype)
+    return out.astype(q.dtype), k_pages, v_pages
+
+
+def ragged_paged_attention_cpu(
+    q: Float[Array, "tokens q_heads dim"],
+    k_pages: Float[Array, "kv_heads blocks block_size dim"],
+    v_pages: Float[Array, "kv_heads blocks block_size dim"],
+    metadata: AttentionMetadata,
+    sm_scale: float,
+) -> Float[Array, "tokens q_heads dim"]:
+    """`ragged_paged_attention_reference`'s result from the C++ kernel, writing nothing."""
+    num_kv_heads, _, _, head_dim = k_pages.shape
+    nothing = jnp.zeros((0, num_kv_heads, head_dim), jnp.float32)
+    metadata = dataclasses.replace(metadata, slot_mapping=jnp.zeros((0,), jnp.int32))
+    return write_kv_and_attend_cpu(q, nothing, nothing, k_pages, v_pages, metadata, sm_scale)[0]

@@ -2,7 +2,9 @@
 //
 // The contract is kernels_pallas/reference.py's `ragged_paged_attention_reference`:
 //   q            f32 [tokens, q_heads, dim]       the step's new tokens, requests back to back
-//   k/v_pages    T   [kv_heads, blocks, block_size, dim]   T = f32, f16 or bf16
+//   k/v_new      f32 [new, kv_heads, dim]         K/V to write first (kernels_pallas write_kv's)
+//   slots        s32 [new]                        their pool slots (block * block_size + offset)
+//   k/v_pages    T   [kv_heads, blocks, block_size, dim]   T = f32, f16 or bf16; in and out
 //   query_start  s32 [reqs + 1]                   cumulative q lengths
 //   seq_lens     s32 [reqs]                       KV length after the step (cached + new)
 //   block_tables s32 [reqs, max_blocks]
@@ -10,6 +12,9 @@
 // Token i of request r sits at position seq_lens[r] - q_len + i and attends causally to the
 // positions 0..its own. Unlike the fixed-shape jnp path this loop visits only real tokens and
 // real keys, so padding rows and unused pages (NaN in the tests) are never read.
+//
+// The same call first writes the step's new K/V into the pool (in place: the pools are aliased
+// from input to output), which saves XLA two scatters per layer.
 //
 // Work items are (request, kv head, tile of up to kTileRows query tokens); the rows of a tile
 // and their group of query heads share every key and value row they read, which is converted
@@ -81,22 +86,68 @@ inline void load_row(const uint16_t* src, float* dst, int dim, BF16Tag) {
   }
 }
 
+inline uint16_t float_to_half(float f) {
+  // Round to nearest even, like XLA's convert: overflow -> inf, NaN stays NaN, subnormals kept.
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, abs = x & 0x7fffffff;
+  if (abs >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
+  if (abs >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // rounds past the largest half
+  if (abs < 0x38800000) {  // half subnormal (or zero): scale into the 10-bit mantissa
+    const uint32_t shift = 126 - (abs >> 23);
+    if (shift > 24) return (uint16_t)sign;
+    const uint32_t man = (abs & 0x7fffff) | 0x800000;
+    const uint32_t half = man >> shift;
+    const uint32_t rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    return (uint16_t)(sign | (half + (rest > mid || (rest == mid && (half & 1)))));
+  }
+  const uint32_t rounded = abs - 0x38000000 + 0xfff + ((abs >> 13) & 1);
+  return (uint16_t)(sign | (rounded >> 13));
+}
+
+inline void store_row(const float* src, float* dst, int dim) { std::memcpy(dst, src, dim * sizeof(float)); }
+
+inline void store_row(const float* src, uint16_t* dst, int dim, F16Tag) {
+  int d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= dim; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; d < dim; ++d) dst[d] = float_to_half(src[d]);
+}
+
+inline void store_row(const float* src, uint16_t* dst, int dim, BF16Tag) {
+  for (int d = 0; d < dim; ++d) {
+    uint32_t x;
+    std::memcpy(&x, src + d, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) {
+      dst[d] = (uint16_t)((x >> 16) | 0x40);  // NaN stays a quiet NaN
+    } else {
+      dst[d] = (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);  // round to nearest even
+    }
+  }
+}
+
 template <typename Tag>
 struct Pool;
 template <>
 struct Pool<float> {
   using T = float;
   static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim); }
+  static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim); }
 };
 template <>
 struct Pool<F16Tag> {
   using T = uint16_t;
   static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, F16Tag{}); }
+  static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim, F16Tag{}); }
 };
 template <>
 struct Pool<BF16Tag> {
   using T = uint16_t;
   static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, BF16Tag{}); }
+  static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim, BF16Tag{}); }
 };
 
 // exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |rel err| < 2e-7.
@@ -208,17 +259,46 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
+// Scatter the step's new K/V rows (f32 [new_tokens, kv_heads, dim]) into their pool slots, converted to
+// the pool's type like XLA's convert (round to nearest even). Slots outside the pool are skipped.
 template <typename Tag>
-ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+void write_new_kv(const Shapes& s, const float* k_new, const float* v_new, const int32_t* slots, int64_t new_tokens,
+                  typename Pool<Tag>::T* k_pages, typename Pool<Tag>::T* v_pages) {
+  const int64_t page_stride = s.block_size * s.dim, head_stride = s.blocks * page_stride;
+  for (int64_t t = 0; t < new_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= s.blocks * s.block_size) continue;
+    const int64_t base = (slot / s.block_size) * page_stride + (slot % s.block_size) * s.dim;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t src = (t * s.kv_heads + h) * s.dim;
+      Pool<Tag>::store(k_new + src, k_pages + h * head_stride + base, (int)s.dim);
+      Pool<Tag>::store(v_new + src, v_pages + h * head_stride + base, (int)s.dim);
+    }
+  }
+}
+
+// The pools come in and go out (aliased by the caller): new K/V are written, then attention reads them.
+template <typename Tag>
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> slot_mapping, ffi::AnyBuffer k_pages_in,
+                          ffi::AnyBuffer v_pages_in, ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale) {
   using T = typename Pool<Tag>::T;
-  auto qd = q.dimensions(), kd = k_pages.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("cbjax attention: q must be 3-d, the pools 4-d, block_tables 2-d");
+  auto qd = q.dimensions(), kd = k_pages->dimensions(), nd = k_new.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || nd.size() != 3 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("cbjax attention: q and new K/V must be 3-d, the pools 4-d, block_tables 2-d");
   Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
-  if (kd[3] != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || query_start.dimensions()[0] != s.reqs + 1)
-    return ffi::Error::InvalidArgument("cbjax attention: q, pool, query_start and seq_lens shapes disagree");
+  if (kd[3] != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || query_start.dimensions()[0] != s.reqs + 1 ||
+      nd[1] != s.kv_heads || nd[2] != s.dim || slot_mapping.dimensions()[0] != nd[0] ||
+      v_new.dimensions()[0] != nd[0] || k_pages_in.element_count() != k_pages->element_count())
+    return ffi::Error::InvalidArgument("cbjax attention: the shapes of q, new K/V, slots, pools and metadata disagree");
+  T* kp_out = reinterpret_cast<T*>(k_pages->untyped_data());
+  T* vp_out = reinterpret_cast<T*>(v_pages->untyped_data());
+  // Aliased buffers are one; if XLA gave fresh outputs, start them from the inputs.
+  if (kp_out != k_pages_in.untyped_data()) std::memcpy(kp_out, k_pages_in.untyped_data(), k_pages_in.size_bytes());
+  if (vp_out != v_pages_in.untyped_data()) std::memcpy(vp_out, v_pages_in.untyped_data(), v_pages_in.size_bytes());
+  write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], kp_out, vp_out);
 
   float* o = out->typed_data();
   std::fill(o, o + s.tokens * s.q_heads * s.dim, 0.0f);
@@ -232,8 +312,7 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   }
   const int64_t n = (int64_t)work->items.size();
   const float* qp = q.typed_data();
-  const T* kp = reinterpret_cast<const T*>(k_pages.untyped_data());
-  const T* vp = reinterpret_cast<const T*>(v_pages.untyped_data());
+  const T *kp = kp_out, *vp = vp_out;
   const int32_t *sl = seq_lens.typed_data(), *bt = block_tables.typed_data();
   auto drain = [=](Work& w) {
     for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
@@ -253,13 +332,18 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
 #define CBJAX_BIND                                 \
   ffi::Ffi::Bind()                                 \
       .Ctx<ffi::ThreadPool>()                      \
-      .Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::AnyBuffer>()                       \
-      .Arg<ffi::AnyBuffer>()                       \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* q */       \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* k_new */   \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* v_new */   \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* slots */   \
+      .Arg<ffi::AnyBuffer>()         /* k_pages */ \
+      .Arg<ffi::AnyBuffer>()         /* v_pages */ \
       .Arg<ffi::Buffer<ffi::S32>>()                \
       .Arg<ffi::Buffer<ffi::S32>>()                \
       .Arg<ffi::Buffer<ffi::S32>>()                \
       .Ret<ffi::Buffer<ffi::F32>>()                \
+      .Ret<ffi::AnyBuffer>()                       \
+      .Ret<ffi::AnyBuffer>()                       \
       .Attr<float>("sm_scale")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_BIND);

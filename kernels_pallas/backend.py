@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from kernels_cpu import kernel_problem, ragged_paged_attention_cpu
+from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
 from kernels_pallas.paged_attention import check_kernel_shapes, paged_decode_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import (
@@ -32,6 +32,7 @@ from kernels_pallas.reference import (
     mixed_paged_attention_reference,
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
+    write_kv,
 )
 
 logger = logging.getLogger(__name__)
@@ -183,3 +184,24 @@ def attention(
             q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, interpret=interpret
         )
     return ragged_paged_attention(q, k_pages, v_pages, metadata, sm_scale, interpret=interpret)
+
+
+def write_kv_and_attend(
+    q: Float[Array, "tokens q_heads dim"],
+    k: Float[Array, "tokens kv_heads dim"],
+    v: Float[Array, "tokens kv_heads dim"],
+    kv_cache: tuple[Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]],
+    metadata: AttentionMetadata,
+    sm_scale: float,
+    plan: AttentionPlan,
+) -> tuple[Float[Array, "tokens q_heads dim"], tuple[Array, Array]]:
+    """One layer's KV write and attention: the step's new K/V go into the pool, then every token attends.
+
+    The C++ CPU kernel does both in one call (two XLA:CPU scatters per layer cost about 2 ms of
+    a 26 ms SmolLM2 decode step); every other backend is `write_kv` then `attention`.
+    """
+    if plan.backend == "cpp":
+        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
+        return out, (k_pages, v_pages)
+    k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
+    return attention(q, k_pages, v_pages, metadata, sm_scale, plan), (k_pages, v_pages)

@@ -7,6 +7,7 @@ kernel is CPU-only (an XLA:CPU custom call), so there is no `cuda` lowering to c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -20,8 +21,8 @@ from test_kernels import MAX_BLOCKS, SM_SCALE, Case, decode_lengths, fill_pool, 
 
 import kernels_pallas.backend as backend
 from kernels_cpu import build as kernel_build
-from kernels_cpu import kernel_problem, ragged_paged_attention_cpu
-from kernels_pallas.reference import ragged_paged_attention_reference
+from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference, write_kv
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
 
@@ -104,6 +105,60 @@ def test_random_batches_equal_reference(requests: list[tuple[int, int]], extra_t
     seq_lens = [s for _, s in requests]
     out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + extra_tokens, seed=len(requests))
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
+def test_fused_write_equals_write_kv_then_attention(dtype):
+    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's."""
+    case = Case(8, 24, 2, "float32")
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
+    rng = np.random.default_rng(4)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    k_pages = jnp.nan_to_num(k_pages, nan=7.0).astype(dtype)  # finite, so pools compare bitwise
+    v_pages = jnp.nan_to_num(v_pages, nan=-7.0).astype(dtype)
+    # Each request's newest q_len tokens are the ones written; padding tokens go to the null block.
+    slots = np.zeros(num_tokens, np.int32)
+    offset = 0
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        positions = np.arange(seq_len - q_len, seq_len)
+        slots[offset : offset + q_len] = np.asarray(block_tables)[r, positions // 8] * 8 + positions % 8
+        offset += q_len
+    # Values that round differently in each pool dtype: tiny (half subnormals), huge (half overflow), NaN.
+    scale = rng.choice([1e-6, 1e-3, 1.0, 300.0, 7e4], size=(num_tokens, case.num_kv_heads, case.head_dim))
+    k = jnp.asarray(rng.normal(size=scale.shape) * scale, jnp.float32)
+    v = jnp.asarray(rng.normal(size=scale.shape) * scale, jnp.float32).at[0, 0, 0].set(jnp.nan)
+    q = jnp.asarray(rng.normal(size=(num_tokens, 4, case.head_dim)), jnp.float32)
+    metadata = dataclasses.replace(ragged_metadata(q_lens, seq_lens, block_tables, num_tokens), slot_mapping=jnp.asarray(slots))
+
+    out, k_out, v_out = jax.jit(functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE))(
+        q, k, v, k_pages, v_pages, metadata
+    )
+    k_ref, v_ref = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
+    bits = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):  # block 0 (the null block) holds garbage by contract
+        np.testing.assert_array_equal(np.asarray(got)[:, 1:].view(bits), np.asarray(want)[:, 1:].view(bits))
+    if dtype == jnp.float32:  # the huge values overflow 16-bit pools, so compare attention in float32 only
+        ref = ragged_paged_attention_reference(q, k_ref, v_ref, metadata, SM_SCALE, block_q=4)
+        rows = np.arange(num_tokens) != 0  # token 0 (request 0) reads the NaN written into V
+        np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(ref)[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_fused_write_updates_a_donated_pool_in_place():
+    pool = jax.ShapeDtypeStruct((3, 512, 16, 64), jnp.float16)
+    new = jax.ShapeDtypeStruct((16, 3, 64), jnp.float32)
+    q = jax.ShapeDtypeStruct((16, 9, 64), jnp.float32)
+    metadata = AttentionMetadata(
+        slot_mapping=jax.ShapeDtypeStruct((16,), jnp.int32),
+        query_start_loc=jax.ShapeDtypeStruct((17,), jnp.int32),
+        seq_lens=jax.ShapeDtypeStruct((16,), jnp.int32),
+        block_tables=jax.ShapeDtypeStruct((16, 32), jnp.int32),
+    )
+    step = functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE)
+    compiled = jax.jit(step, donate_argnums=(3, 4)).lower(q, new, new, pool, pool, metadata).compile()
+    memory = compiled.memory_analysis()
+    pool_bytes = np.prod(pool.shape) * 2
+    assert memory.temp_size_in_bytes < pool_bytes // 8, "the fused write copies the pool instead of updating it"
+    assert memory.alias_size_in_bytes >= 2 * pool_bytes, "the donated pools are not aliased to the outputs"
 
 
 def test_pool_dtype_it_cannot_read_is_refused_with_the_fix():

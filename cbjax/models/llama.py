@@ -16,10 +16,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-import kernels_pallas
 from cbjax.config import ModelConfig
 from cbjax.models.rope import apply_rope, rope_inv_freq
-from kernels_pallas.backend import AttentionPlan, attention
+from kernels_pallas.backend import AttentionPlan, write_kv_and_attend
 from kernels_pallas.reference import AttentionMetadata
 
 KVPages = Float[Array, "kv_heads blocks block_size dim"]
@@ -88,9 +87,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(config)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        k_pages, v_pages = kernels_pallas.write_kv(*kv_cache, k, v, metadata.slot_mapping)
-        out = attention(q, k_pages, v_pages, metadata, config.head_dim**-0.5, plan)
-        return self.o_proj(out.reshape(num_tokens, -1)), (k_pages, v_pages)
+        out, kv_cache = write_kv_and_attend(q, k, v, kv_cache, metadata, config.head_dim**-0.5, plan)
+        return self.o_proj(out.reshape(num_tokens, -1)), kv_cache
 
 
 class MLP(nnx.Module):
