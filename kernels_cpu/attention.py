@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +23,20 @@ TARGETS = {
 }
 
 
+_lock = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
-def _register() -> None:
+def _register_once() -> None:
     library = ctypes.cdll.LoadLibrary(str(build()))
     for target, symbol in TARGETS.values():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def _register() -> None:
+    """Build and register the kernel once per process (buckets are traced from several threads)."""
+    with _lock:
+        _register_once()
 
 
 def kernel_problem() -> str | None:

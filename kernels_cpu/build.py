@@ -29,7 +29,17 @@ class KernelBuildError(RuntimeError):
 
 
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("CBJAX_KERNEL_CACHE") or pathlib.Path.home() / ".cache" / "cbjax" / "kernels")
+    """$CBJAX_KERNEL_CACHE, else ~/.cache/cbjax/kernels, else (no writable home) a folder in the temp dir."""
+    if os.environ.get("CBJAX_KERNEL_CACHE"):
+        return pathlib.Path(os.environ["CBJAX_KERNEL_CACHE"])
+    home = pathlib.Path.home() / ".cache" / "cbjax" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return pathlib.Path(tempfile.gettempdir()) / f"cbjax-kernels-{os.getuid()}"
 
 
 def compiler() -> str:
