@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import threading
 
@@ -15,12 +14,9 @@ from jaxtyping import Array, Float
 from kernels_cpu.build import build
 from kernels_pallas.reference import AttentionMetadata
 
-# FFI target per pool dtype; the queries and the output are float32 (CPU activations).
-TARGETS = {
-    jnp.dtype(jnp.float32): ("cbjax_paged_attention_f32", "CbjaxPagedAttentionF32"),
-    jnp.dtype(jnp.float16): ("cbjax_paged_attention_f16", "CbjaxPagedAttentionF16"),
-    jnp.dtype(jnp.bfloat16): ("cbjax_paged_attention_bf16", "CbjaxPagedAttentionBF16"),
-}
+# FFI targets per pool dtype (attention only, KV write + attention); queries and output are float32.
+SUFFIXES = {jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.float16): "F16", jnp.dtype(jnp.bfloat16): "BF16"}
+KERNELS = ("CbjaxPagedAttention", "CbjaxWriteKvAttention")
 
 
 _lock = threading.Lock()
@@ -29,8 +25,20 @@ _lock = threading.Lock()
 @functools.lru_cache(maxsize=None)
 def _register_once() -> None:
     library = ctypes.cdll.LoadLibrary(str(build()))
-    for target, symbol in TARGETS.values():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    for kernel in KERNELS:
+        for suffix in SUFFIXES.values():
+            symbol = kernel + suffix
+            jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def _check_pools(k_pages: Array, v_pages: Array) -> str:
+    if k_pages.dtype not in SUFFIXES or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
+            f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
+        )
+    _register()
+    return SUFFIXES[k_pages.dtype]
 
 
 def _register() -> None:
@@ -62,14 +70,9 @@ def write_kv_and_attend_cpu(
     The pools go in and come out aliased, so under a donating jit the write is in place. Decode
     steps are the case of one token per request; there is no separate decode entry.
     """
-    if k_pages.dtype not in TARGETS or v_pages.dtype != k_pages.dtype:
-        raise ValueError(
-            f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
-            f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
-        )
-    _register()
+    suffix = _check_pools(k_pages, v_pages)
     call = jax.ffi.ffi_call(
-        TARGETS[k_pages.dtype][0],
+        "CbjaxWriteKvAttention" + suffix,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32), k_pages, v_pages),
         input_output_aliases={4: 1, 5: 2},
     )
@@ -95,8 +98,16 @@ def ragged_paged_attention_cpu(
     metadata: AttentionMetadata,
     sm_scale: float,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """`ragged_paged_attention_reference`'s result from the C++ kernel, writing nothing."""
-    num_kv_heads, _, _, head_dim = k_pages.shape
-    nothing = jnp.zeros((0, num_kv_heads, head_dim), jnp.float32)
-    metadata = dataclasses.replace(metadata, slot_mapping=jnp.zeros((0,), jnp.int32))
-    return write_kv_and_attend_cpu(q, nothing, nothing, k_pages, v_pages, metadata, sm_scale)[0]
+    """`ragged_paged_attention_reference`'s result from the C++ kernel; the pools are only read."""
+    suffix = _check_pools(k_pages, v_pages)
+    call = jax.ffi.ffi_call("CbjaxPagedAttention" + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        metadata.query_start_loc.astype(jnp.int32),
+        metadata.seq_lens.astype(jnp.int32),
+        metadata.block_tables.astype(jnp.int32),
+        sm_scale=np.float32(sm_scale),
+    )
+    return out.astype(q.dtype)

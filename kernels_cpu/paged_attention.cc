@@ -277,32 +277,13 @@ void write_new_kv(const Shapes& s, const float* k_new, const float* v_new, const
   }
 }
 
-// The pools come in and go out (aliased by the caller): new K/V are written, then attention reads them.
+// Attention of every real token over the pool (the reference's contract), work shared out
+// between the calling thread and XLA's intra-op threads.
 template <typename Tag>
-ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> slot_mapping, ffi::AnyBuffer k_pages_in,
-                          ffi::AnyBuffer v_pages_in, ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out,
-                          ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale) {
-  using T = typename Pool<Tag>::T;
-  auto qd = q.dimensions(), kd = k_pages->dimensions(), nd = k_new.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || nd.size() != 3 || block_tables.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("cbjax attention: q and new K/V must be 3-d, the pools 4-d, block_tables 2-d");
-  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
-  if (kd[3] != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || query_start.dimensions()[0] != s.reqs + 1 ||
-      nd[1] != s.kv_heads || nd[2] != s.dim || slot_mapping.dimensions()[0] != nd[0] ||
-      v_new.dimensions()[0] != nd[0] || k_pages_in.element_count() != k_pages->element_count())
-    return ffi::Error::InvalidArgument("cbjax attention: the shapes of q, new K/V, slots, pools and metadata disagree");
-  T* kp_out = reinterpret_cast<T*>(k_pages->untyped_data());
-  T* vp_out = reinterpret_cast<T*>(v_pages->untyped_data());
-  // Aliased buffers are one; if XLA gave fresh outputs, start them from the inputs.
-  if (kp_out != k_pages_in.untyped_data()) std::memcpy(kp_out, k_pages_in.untyped_data(), k_pages_in.size_bytes());
-  if (vp_out != v_pages_in.untyped_data()) std::memcpy(vp_out, v_pages_in.untyped_data(), v_pages_in.size_bytes());
-  write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], kp_out, vp_out);
-
-  float* o = out->typed_data();
-  std::fill(o, o + s.tokens * s.q_heads * s.dim, 0.0f);
-  const int32_t* qsl = query_start.typed_data();
+void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typename Pool<Tag>::T* kp,
+            const typename Pool<Tag>::T* vp, const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables,
+            float sm_scale, float* out) {
+  std::fill(out, out + s.tokens * s.q_heads * s.dim, 0.0f);
   auto work = std::make_shared<Work>();
   for (int32_t r = 0; r < s.reqs; ++r) {
     const int32_t start = std::max(0, qsl[r]), end = std::min<int32_t>(qsl[r + 1], (int32_t)s.tokens);
@@ -311,12 +292,9 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         work->items.push_back({r, h, t, std::min(kTileRows, end - t)});
   }
   const int64_t n = (int64_t)work->items.size();
-  const float* qp = q.typed_data();
-  const T *kp = kp_out, *vp = vp_out;
-  const int32_t *sl = seq_lens.typed_data(), *bt = block_tables.typed_data();
   auto drain = [=](Work& w) {
     for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
-      run_item<Tag>(w.items[i], s, qp, kp, vp, qsl, sl, bt, sm_scale, o);
+      run_item<Tag>(w.items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, out);
       w.done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -324,28 +302,94 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
   drain(*work);
   while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error check_shapes(const Shapes& s, int64_t pool_dims, int64_t pool_dim, int64_t query_starts) {
+  if (pool_dims != 4 || pool_dim != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 ||
+      query_starts != s.reqs + 1)
+    return ffi::Error::InvalidArgument("cbjax attention: the shapes of q, the pools, query_start and seq_lens disagree");
+  return ffi::Error::Success();
+}
+
+// Attention only: the pools are read, never written.
+template <typename Tag>
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                          ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+  using T = typename Pool<Tag>::T;
+  auto qd = q.dimensions(), kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("cbjax attention: q must be 3-d, the pools 4-d, block_tables 2-d");
+  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
+  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0]); error.failure()) return error;
+  attend<Tag>(pool, s, q.typed_data(), reinterpret_cast<const T*>(k_pages.untyped_data()),
+              reinterpret_cast<const T*>(v_pages.untyped_data()), query_start.typed_data(), seq_lens.typed_data(),
+              block_tables.typed_data(), sm_scale, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// The step's KV write, then attention. The pools come in and go out, aliased by the caller.
+template <typename Tag>
+ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                                ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                                ffi::AnyBuffer k_pages_in, ffi::AnyBuffer v_pages_in, ffi::Buffer<ffi::S32> query_start,
+                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_pages,
+                                ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale) {
+  using T = typename Pool<Tag>::T;
+  auto qd = q.dimensions(), kd = k_pages->dimensions(), nd = k_new.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || nd.size() != 3 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("cbjax attention: q and new K/V must be 3-d, the pools 4-d, block_tables 2-d");
+  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
+  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0]); error.failure()) return error;
+  if (nd[1] != s.kv_heads || nd[2] != s.dim || slot_mapping.dimensions()[0] != nd[0] ||
+      v_new.dimensions()[0] != nd[0] || k_pages_in.element_count() != k_pages->element_count())
+    return ffi::Error::InvalidArgument("cbjax attention: the shapes of the new K/V, their slots and the pools disagree");
+  T* kp = reinterpret_cast<T*>(k_pages->untyped_data());
+  T* vp = reinterpret_cast<T*>(v_pages->untyped_data());
+  // Aliased buffers are one; if XLA gave fresh outputs, start them from the inputs.
+  if (kp != k_pages_in.untyped_data()) std::memcpy(kp, k_pages_in.untyped_data(), k_pages_in.size_bytes());
+  if (vp != v_pages_in.untyped_data()) std::memcpy(vp, v_pages_in.untyped_data(), v_pages_in.size_bytes());
+  write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], kp, vp);
+  attend<Tag>(pool, s, q.typed_data(), kp, vp, query_start.typed_data(), seq_lens.typed_data(),
+              block_tables.typed_data(), sm_scale, out->typed_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define CBJAX_BIND                                 \
-  ffi::Ffi::Bind()                                 \
-      .Ctx<ffi::ThreadPool>()                      \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* q */       \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* k_new */   \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* v_new */   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* slots */   \
-      .Arg<ffi::AnyBuffer>()         /* k_pages */ \
-      .Arg<ffi::AnyBuffer>()         /* v_pages */ \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Arg<ffi::Buffer<ffi::S32>>()                \
-      .Ret<ffi::Buffer<ffi::F32>>()                \
-      .Ret<ffi::AnyBuffer>()                       \
-      .Ret<ffi::AnyBuffer>()                       \
+#define CBJAX_ATTENTION_BIND                 \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<ffi::F32>>() /* q */  \
+      .Arg<ffi::AnyBuffer>() /* k_pages */   \
+      .Arg<ffi::AnyBuffer>() /* v_pages */   \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Ret<ffi::Buffer<ffi::F32>>()          \
       .Attr<float>("sm_scale")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_BIND);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF16, attention_impl<F16Tag>, CBJAX_BIND);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionBF16, attention_impl<BF16Tag>, CBJAX_BIND);
+#define CBJAX_WRITE_ATTENTION_BIND             \
+  ffi::Ffi::Bind()                             \
+      .Ctx<ffi::ThreadPool>()                  \
+      .Arg<ffi::Buffer<ffi::F32>>() /* q */    \
+      .Arg<ffi::Buffer<ffi::F32>>() /* k_new */\
+      .Arg<ffi::Buffer<ffi::F32>>() /* v_new */\
+      .Arg<ffi::Buffer<ffi::S32>>() /* slots */\
+      .Arg<ffi::AnyBuffer>() /* k_pages */     \
+      .Arg<ffi::AnyBuffer>() /* v_pages */     \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Ret<ffi::Buffer<ffi::F32>>()            \
+      .Ret<ffi::AnyBuffer>()                   \
+      .Ret<ffi::AnyBuffer>()                   \
+      .Attr<float>("sm_scale")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF16, attention_impl<F16Tag>, CBJAX_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionBF16, attention_impl<BF16Tag>, CBJAX_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionF32, write_attention_impl<float>, CBJAX_WRITE_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionF16, write_attention_impl<F16Tag>, CBJAX_WRITE_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionBF16, write_attention_impl<BF16Tag>, CBJAX_WRITE_ATTENTION_BIND);
