@@ -168,6 +168,78 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// ---- tiles of many rows (prompt chunks): rows in vector lanes ------------------------------
+// With 8+ rows (tokens x query heads of the group) per item, scores are computed 16 rows at a
+// time against one key: the query tile is stored transposed (dim x rows), so no dot product
+// ends in a horizontal sum, and the softmax runs across the same 16-row lanes.
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+constexpr int kWideRows = 8;
+
+inline v16 splat(float x) { return v16{} + x; }
+
+inline v16 exp_nonpos(v16 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v16 t = x * 1.44269504088896341f - 0.5f;  // x <= 0: truncation rounds t + 0.5 to nearest
+  const v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);
+  const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  return p * (v16)bits;
+}
+
+// One chunk of keys for a wide item. qt: [dim][padded] scaled queries; st: [kChunk][padded]
+// scores; limit: [padded] first key position each row may NOT see (padding rows: 0).
+inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt, const float* kc, const float* vc,
+                       const float* limit, float* st, float* m, float* l, float* acc_t) {
+  for (int j = 0; j < nk; ++j) {
+    const float* kj = kc + j * dim;
+    const v16 pos = splat((float)(c0 + j));
+    for (int r0 = 0; r0 < padded; r0 += kLanes) {
+      v16 sum = splat(0.0f);
+      for (int d = 0; d < dim; ++d) sum += *(const v16*)(qt + d * padded + r0) * kj[d];
+      *(v16*)(st + j * padded + r0) = pos < *(const v16*)(limit + r0) ? sum : splat(-INFINITY);
+    }
+  }
+  for (int r0 = 0; r0 < padded; r0 += kLanes) {
+    v16 cmax = splat(-INFINITY);
+    for (int j = 0; j < nk; ++j) {
+      const v16 sj = *(const v16*)(st + j * padded + r0);
+      cmax = sj > cmax ? sj : cmax;
+    }
+    const v16 m_old = *(const v16*)(m + r0);
+    const v16 m_new = cmax > m_old ? cmax : m_old;
+    const v16 m_safe = m_new == splat(-INFINITY) ? splat(0.0f) : m_new;
+    const v16 alpha = m_old == splat(-INFINITY) ? splat(0.0f) : exp_nonpos(m_old - m_safe);
+    v16 sum = splat(0.0f);
+    for (int j = 0; j < nk; ++j) {
+      v16* sj = (v16*)(st + j * padded + r0);
+      const v16 p = *sj == splat(-INFINITY) ? splat(0.0f) : exp_nonpos(*sj - m_safe);
+      *sj = p;
+      sum += p;
+    }
+    *(v16*)(l + r0) = alpha * *(const v16*)(l + r0) + sum;
+    *(v16*)(m + r0) = m_new;
+    for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) *= alpha;
+  }
+  // acc_t[d][r] += p[j][r] * v[j][d]: rows in lanes again.
+  for (int j = 0; j < nk; ++j) {
+    const float* vj = vc + j * dim;
+    for (int r0 = 0; r0 < padded; r0 += kLanes) {
+      const v16 p = *(const v16*)(st + j * padded + r0);
+      for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) += p * vj[d];
+    }
+  }
+}
+
 struct Shapes {
   int64_t tokens, q_heads, dim, kv_heads, blocks, block_size, reqs, max_blocks;
 };
@@ -189,13 +261,17 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
   const int32_t* table = block_tables + (int64_t)item.req * s.max_blocks;
   const int64_t page_stride = s.block_size * s.dim, head_stride = s.blocks * page_stride;
 
-  std::vector<float> qs(rows * dim), acc(rows * dim, 0.0f), m(rows, -INFINITY), l(rows, 0.0f);
-  std::vector<float> kc(kChunk * dim), vc(kChunk * dim), sc(rows * kChunk);
+  const bool wide = rows >= kWideRows;
+  const int padded = wide ? (rows + kLanes - 1) / kLanes * kLanes : rows;
+  // Narrow items keep rows row-major ([row][dim]); wide ones transposed ([dim][padded]).
+  std::vector<float> qs(padded * dim, 0.0f), acc(padded * dim, 0.0f), m(padded, -INFINITY), l(padded, 0.0f);
+  std::vector<float> limit(padded, 0.0f), kc(kChunk * dim), vc(kChunk * dim), sc(padded * kChunk);
   for (int t = 0; t < item.num_tokens; ++t)
     for (int g = 0; g < group; ++g) {
+      const int r = t * group + g;
       const float* src = q + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
-      float* dst = &qs[(t * group + g) * dim];
-      for (int d = 0; d < dim; ++d) dst[d] = src[d] * sm_scale;
+      for (int d = 0; d < dim; ++d) qs[wide ? d * padded + r : r * dim + d] = src[d] * sm_scale;
+      limit[r] = (float)(first_pos + t + 1);  // keys at positions >= limit are causal-masked
     }
 
   for (int64_t c0 = 0; c0 < kv_end; c0 += kChunk) {
@@ -208,10 +284,14 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       Pool<Tag>::load(k_pages + offset, &kc[j * dim], dim);
       Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
     }
+    if (wide) {
+      wide_chunk(padded, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
+                 acc.data());
+      continue;
+    }
     for (int r = 0; r < rows; ++r) {
       // Keys past this row's own position are causal-masked: it sees nk_r of the chunk's keys.
-      const int64_t limit = first_pos + r / group + 1;
-      const int nk_r = (int)std::clamp<int64_t>(limit - c0, 0, nk);
+      const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
       if (nk_r == 0) continue;
       const float* qr = &qs[r * dim];
       float* sr = &sc[r * kChunk];
@@ -219,7 +299,6 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       for (int j = 0; j < nk_r; ++j) {
         const float* kj = &kc[j * dim];
         float dot = 0.0f;
-#pragma GCC ivdep
         for (int d = 0; d < dim; ++d) dot += qr[d] * kj[d];
         sr[j] = dot;
         chunk_max = std::max(chunk_max, dot);
@@ -247,7 +326,7 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       const int r = t * group + g;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       float* dst = out + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
-      for (int d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv;
+      for (int d = 0; d < dim; ++d) dst[d] = acc[wide ? d * padded + r : r * dim + d] * inv;
     }
 }
 
