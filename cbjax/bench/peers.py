@@ -108,7 +108,8 @@ def worker_cbjax(spec: dict) -> dict:
 
     warm = warm_up_requests(spec["requests"])
     drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
-    return {"startup_s": startup, **drive_engine(engine.add_request, engine.step, spec["requests"], params)}
+    result = drive_engine(engine.add_request, engine.step, spec["requests"], params)
+    return {"startup_s": startup, "attention_backend": engine.backend, **result}
 
 
 def worker_vllm(spec: dict) -> dict:
