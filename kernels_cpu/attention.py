@@ -56,6 +56,11 @@ def kernel_problem() -> str | None:
     return None
 
 
+def _request_metadata(metadata: AttentionMetadata) -> tuple[Array, Array, Array]:
+    """The kernel's last three inputs: query_start_loc, seq_lens, block_tables (int32)."""
+    return tuple(x.astype(jnp.int32) for x in (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables))
+
+
 def write_kv_and_attend_cpu(
     q: Float[Array, "tokens q_heads dim"],
     k: Float[Array, "tokens kv_heads dim"],
@@ -83,9 +88,7 @@ def write_kv_and_attend_cpu(
         metadata.slot_mapping.astype(jnp.int32),
         k_pages,
         v_pages,
-        metadata.query_start_loc.astype(jnp.int32),
-        metadata.seq_lens.astype(jnp.int32),
-        metadata.block_tables.astype(jnp.int32),
+        *_request_metadata(metadata),
         sm_scale=np.float32(sm_scale),
     )
     return out.astype(q.dtype), k_pages, v_pages
@@ -101,13 +104,5 @@ def ragged_paged_attention_cpu(
     """`ragged_paged_attention_reference`'s result from the C++ kernel; the pools are only read."""
     suffix = _check_pools(k_pages, v_pages)
     call = jax.ffi.ffi_call("CbjaxPagedAttention" + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(
-        q.astype(jnp.float32),
-        k_pages,
-        v_pages,
-        metadata.query_start_loc.astype(jnp.int32),
-        metadata.seq_lens.astype(jnp.int32),
-        metadata.block_tables.astype(jnp.int32),
-        sm_scale=np.float32(sm_scale),
-    )
+    out = call(q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale))
     return out.astype(q.dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -97,3 +99,18 @@ def test_paged_capacity_simulation_admits_by_blocks_not_max_model_len():
     assert result["paged_max_concurrent"] == 6
     assert result["paged_preemptions"] > 0
     assert 0 <= result["paged_kv_waste_all_steps"] < 1
+
+
+def test_backend_ab_runs_each_backend_every_round(tmp_path):
+    from cbjax.bench import backend_ab
+
+    _, model_dir = make_tiny_checkpoint(tmp_path, "llama")
+    out = tmp_path / "ab.json"
+    backend_ab.main([
+        "--model", str(model_dir), "--backends", "xla", "cpp", "--max-num-seqs", "4", "--max-model-len", "64",
+        "--max-num-batched-tokens", "32", "--block-size", "8", "--num-kv-blocks", "40", "--num-prompts", "6",
+        "--input-len", "8", "--output-len", "4", "--rounds", "2", "--result-json", str(out),
+    ])
+    result = json.loads(out.read_text())
+    assert {b: len(v) for b, v in result["output_throughput_rounds"].items()} == {"xla": 2, "cpp": 2}
+    assert set(result["median_output_throughput"]) == {"xla", "cpp"}
