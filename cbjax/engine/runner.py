@@ -250,7 +250,7 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step; the sampled token of every request that samples in it."""
         bucket, inputs = self.prepare(scheduled)
-        packed = jax.device_put(pack(inputs))
+        packed = pack(inputs)
         self.kv_caches, result = self.compiled[bucket](self.weights, self.kv_caches, packed)
         out: SamplerOutput = unpack_host(np.asarray(result), self._out_layouts[bucket])
         sampled = {}
