@@ -437,33 +437,28 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 
 }  // namespace
 
-#define CBJAX_ATTENTION_BIND                 \
-  ffi::Ffi::Bind()                           \
-      .Ctx<ffi::ThreadPool>()                \
-      .Arg<ffi::Buffer<ffi::F32>>() /* q */  \
-      .Arg<ffi::AnyBuffer>() /* k_pages */   \
-      .Arg<ffi::AnyBuffer>() /* v_pages */   \
-      .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Ret<ffi::Buffer<ffi::F32>>()          \
-      .Attr<float>("sm_scale")
+// Both entries end alike: k_pages, v_pages, query_start, seq_lens, block_tables -> out.
+#define CBJAX_POOLS_METADATA_OUT                                                            \
+  .Arg<ffi::AnyBuffer>()                                                                    \
+      .Arg<ffi::AnyBuffer>()                                                                \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                         \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                         \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                         \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-#define CBJAX_WRITE_ATTENTION_BIND             \
-  ffi::Ffi::Bind()                             \
-      .Ctx<ffi::ThreadPool>()                  \
-      .Arg<ffi::Buffer<ffi::F32>>() /* q */    \
-      .Arg<ffi::Buffer<ffi::F32>>() /* k_new */\
-      .Arg<ffi::Buffer<ffi::F32>>() /* v_new */\
-      .Arg<ffi::Buffer<ffi::S32>>() /* slots */\
-      .Arg<ffi::AnyBuffer>() /* k_pages */     \
-      .Arg<ffi::AnyBuffer>() /* v_pages */     \
-      .Arg<ffi::Buffer<ffi::S32>>()            \
-      .Arg<ffi::Buffer<ffi::S32>>()            \
-      .Arg<ffi::Buffer<ffi::S32>>()            \
-      .Ret<ffi::Buffer<ffi::F32>>()            \
-      .Ret<ffi::AnyBuffer>()                   \
-      .Ret<ffi::AnyBuffer>()                   \
+#define CBJAX_ATTENTION_BIND \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() CBJAX_POOLS_METADATA_OUT.Attr<float>("sm_scale")
+
+// q, k_new, v_new, slots, then the common part, then the pools out (aliased to the pools in).
+#define CBJAX_WRITE_ATTENTION_BIND                                                          \
+  ffi::Ffi::Bind()                                                                          \
+      .Ctx<ffi::ThreadPool>()                                                               \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                         \
+      .Arg<ffi::Buffer<ffi::S32>>() CBJAX_POOLS_METADATA_OUT                                \
+      .Ret<ffi::AnyBuffer>()                                                                \
+      .Ret<ffi::AnyBuffer>()                                                                \
       .Attr<float>("sm_scale")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_ATTENTION_BIND);
