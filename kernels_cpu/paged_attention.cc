@@ -150,22 +150,27 @@ struct Pool<BF16Tag> {
   static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim, BF16Tag{}); }
 };
 
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |rel err| < 2e-7.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// exp(x) for x <= 0 (scores minus their running max) as 2^n * e^r, n = round(x / ln 2),
+// |r| <= ln 2 / 2, |rel err| < 2e-7. exp_reduced is the shared part: r from x and n (ln 2 in
+// two pieces), then e^r by its polynomial; T is float or a vector of floats.
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  const T r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
+  return p * r * r + r + 1.0f;
+}
+
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const int32_t bits = ((int32_t)n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 // ---- tiles of many rows (prompt chunks): rows in vector lanes ------------------------------
@@ -184,16 +189,8 @@ inline v16 exp_nonpos(v16 x) {
   x = x < splat(-87.0f) ? splat(-87.0f) : x;
   const v16 t = x * 1.44269504088896341f - 0.5f;  // x <= 0: truncation rounds t + 0.5 to nearest
   const v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);
-  const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
   const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  return p * (v16)bits;
+  return exp_reduced(x, n) * (v16)bits;
 }
 
 // One chunk of keys for a wide item. qt: [dim][padded] scaled queries; st: [kChunk][padded]
