@@ -245,6 +245,12 @@ struct Item {
   int32_t req, kv_head, first_token, num_tokens;
 };
 
+// One work item's buffers: queries, accumulators, running max and sum, causal limits, the
+// current chunk's keys, values and scores.
+struct Scratch {
+  std::vector<float> qs, acc, m, l, limit, kc, vc, sc;
+};
+
 template <typename Tag>
 void run_item(const Item& item, const Shapes& s, const float* q, const typename Pool<Tag>::T* k_pages,
               const typename Pool<Tag>::T* v_pages, const int32_t* query_start, const int32_t* seq_lens,
@@ -260,9 +266,19 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
 
   const bool wide = rows >= kWideRows;
   const int padded = wide ? (rows + kLanes - 1) / kLanes * kLanes : rows;
-  // Narrow items keep rows row-major ([row][dim]); wide ones transposed ([dim][padded]).
-  std::vector<float> qs(padded * dim, 0.0f), acc(padded * dim, 0.0f), m(padded, -INFINITY), l(padded, 0.0f);
-  std::vector<float> limit(padded, 0.0f), kc(kChunk * dim), vc(kChunk * dim), sc(padded * kChunk);
+  // Narrow items keep rows row-major ([row][dim]); wide ones transposed ([dim][padded]). The
+  // buffers are this thread's, reused across items: a decode step runs thousands of items, and
+  // allocating and zeroing the key/value chunks for each was work for nothing (they are
+  // written before they are read).
+  thread_local Scratch scratch;
+  auto& [qs, acc, m, l, limit, kc, vc, sc] = scratch;
+  qs.assign(padded * dim, 0.0f);
+  acc.assign(padded * dim, 0.0f);
+  m.assign(padded, -INFINITY);
+  l.assign(padded, 0.0f);
+  limit.assign(padded, 0.0f);
+  for (auto* chunk : {&kc, &vc}) chunk->resize(std::max<size_t>(chunk->size(), kChunk * dim));
+  sc.resize(std::max<size_t>(sc.size(), (size_t)padded * kChunk));
   for (int t = 0; t < item.num_tokens; ++t)
     for (int g = 0; g < group; ++g) {
       const int r = t * group + g;
