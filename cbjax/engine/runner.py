@@ -171,7 +171,7 @@ class ModelRunner:
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
-            self.kv_caches, result = compiled(self.weights, self.kv_caches, jax.device_put(pack(inputs)))
+            self.kv_caches, result = compiled(self.weights, self.kv_caches, pack(inputs))
             result.block_until_ready()
 
     def peak_step_bytes(self) -> int:
