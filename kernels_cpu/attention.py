@@ -31,7 +31,8 @@ def _register_once() -> None:
             jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-def _check_pools(k_pages: Array, v_pages: Array) -> str:
+def _target_suffix(k_pages: Array, v_pages: Array) -> str:
+    """The FFI targets' suffix for these pools' dtype, once the pools are checked and the kernel registered."""
     if k_pages.dtype not in SUFFIXES or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
@@ -75,7 +76,7 @@ def write_kv_and_attend_cpu(
     The pools go in and come out aliased, so under a donating jit the write is in place. Decode
     steps are the case of one token per request; there is no separate decode entry.
     """
-    suffix = _check_pools(k_pages, v_pages)
+    suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(
         "CbjaxWriteKvAttention" + suffix,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32), k_pages, v_pages),
@@ -102,7 +103,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
 ) -> Float[Array, "tokens q_heads dim"]:
     """`ragged_paged_attention_reference`'s result from the C++ kernel; the pools are only read."""
-    suffix = _check_pools(k_pages, v_pages)
+    suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call("CbjaxPagedAttention" + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale))
     return out.astype(q.dtype)
