@@ -114,3 +114,18 @@ def test_engine_without_precompile_compiles_steps_on_demand(tiny, greedy, caplog
     assert compiled and len(compiled) < len(engine.runner.buckets)  # only the buckets these steps needed
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "precompile" in warnings[0].getMessage()
+
+
+def test_unfinished_outputs_hold_back_a_possible_stop_string(llm, greedy):
+    """vLLM's intermediate outputs leave out the last len(longest stop) - 1 characters until finished."""
+    tokens, texts = greedy
+    engine = llm.llm_engine
+    engine.add_request("held", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=10, stop=["AN", "zzz"]))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o for o in engine.step() if o.request_id == "held"]
+    *streaming, final = seen
+    for out in streaming:
+        so_far = texts[len(out.outputs[0].token_ids)].rstrip("\ufffd")  # an unfinished character waits too
+        assert out.outputs[0].text == so_far[: max(0, len(so_far) - 2)]
+    assert final.outputs[0].text == texts[7][:5] and final.outputs[0].stop_reason == "AN"

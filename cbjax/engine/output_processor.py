@@ -78,9 +78,13 @@ class OutputProcessor:
         state = self.texts[request.request_id]
         if request.is_finished:
             del self.texts[request.request_id]
+        params, text = request.sampling_params, state.text
+        if not request.is_finished and params.stop and not params.include_stop_str_in_output:
+            # As vLLM streams: hold back the characters that may yet begin a stop string.
+            text = text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
         completion = CompletionOutput(
             index=0,
-            text=state.text,
+            text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
