@@ -13,24 +13,14 @@ import pytest
 import torch
 from helpers_hf import load_hf_model
 from test_engine import ENGINE_OPTIONS, hf_greedy, random_prompts
-from tiny_checkpoint import make_tiny_checkpoint
+from tiny_llm import llm, tiny  # noqa: F401 - the shared fixtures
 
-from cbjax import LLM, EngineConfig, SamplingParams
+from cbjax import EngineConfig, SamplingParams
 from cbjax.engine.engine import LLMEngine
 
 # Prompt 3 of test_engine's set; transformers continues it greedily with the texts
 # 'n', '\ufffd', 'A', 'n', 'A', 'A', 'N', 'Th', '%', 'A' (asserted in `greedy` below).
 PROMPT = random_prompts(0, [1, 7, 8, 9])[3]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("semantics"), "llama")
-
-
-@pytest.fixture(scope="module")
-def llm(tiny):
-    return LLM(str(tiny[1]), **ENGINE_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +94,7 @@ def test_engine_without_precompile_compiles_steps_on_demand(tiny, greedy, caplog
     assert not engine.runner.compiled
     with caplog.at_level(logging.WARNING, logger="cbjax.engine.runner"):
         engine.add_request("a", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=10))
-        engine.add_request("b", {"prompt_token_ids": PROMPT[:4]}, SamplingParams(temperature=0.0, max_tokens=3))
+        engine.add_request("b", {"prompt_token_ids": PROMPT[:4]}, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         finished = {}
         while engine.has_unfinished_requests():
             finished.update({o.request_id: o for o in engine.step() if o.finished})
