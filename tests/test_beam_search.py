@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_hf import load_hf_model
-from test_engine import random_prompts
+from test_engine import hf_greedy, random_prompts
 from tiny_llm import EOS_TOKEN_IDS, llm, tiny  # noqa: F401 - the shared fixtures
 
 from cbjax import BeamSearchParams
@@ -71,3 +71,12 @@ def test_beam_search_rejects_what_it_cannot_run(llm):
         llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=125))
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_one_beam_without_eos_is_greedy_decoding(tiny, llm):
+    """beam_width=1 keeps the single best token each step: transformers' greedy continuation."""
+    prompt = "Once upon a time"
+    prompt_ids = llm.get_tokenizer().encode(prompt)
+    (output,) = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True))
+    (beam,) = output.sequences
+    assert beam.tokens == prompt_ids + hf_greedy(tiny[0], prompt_ids, 4)

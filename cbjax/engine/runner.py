@@ -87,6 +87,7 @@ class ModelRunner:
         self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
+        self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
 
@@ -163,7 +164,8 @@ class ModelRunner:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
         compiled = self.compiled.get(bucket)
         if compiled is None:
-            if not self.compiled:
+            if not self._warned_on_demand:
+                self._warned_on_demand = True
                 logger.warning(
                     "the engine was built with precompile=False: each step shape is compiled the first time "
                     "it is needed, and serving stalls while it compiles (seconds per shape); "
