@@ -63,6 +63,22 @@ def test_stop_token_text_is_left_out_unless_asked_for(llm, greedy, include):
     assert texts[7] != texts[6]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_is_left_out_unless_asked_for(tiny, llm, include):
+    """The shared checkpoint's second EOS, 229, is an ordinary byte token, so its text is visible."""
+    prompt = random_prompts(0, [1, 7, 8, 9, 17, 40])[5]
+    tokens = hf_greedy(tiny[0], prompt, 10)
+    assert tokens.index(229) == 9 and 2 not in tokens
+    params = SamplingParams(temperature=0.0, max_tokens=11, include_stop_str_in_output=include)  # 10 would be "length"
+    (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    assert out.outputs[0].token_ids == tokens
+    decode = llm.get_tokenizer().decode
+    # Without 229, the byte before it never completes a character: like vLLM, nothing of it shows.
+    assert out.outputs[0].text == (decode(tokens) if include else decode(tokens[:9]).rstrip("\ufffd"))
+    assert decode(tokens) != decode(tokens[:9]).rstrip("\ufffd")
+
+
 def test_stop_string_on_the_last_allowed_token_reports_stop(llm, greedy):
     """A stop string completed by the max_tokens-th token is a "stop", not a "length" finish."""
     tokens, texts = greedy
