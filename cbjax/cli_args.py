@@ -24,12 +24,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "pallas", "pallas_interpret", "xla"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compilation-cache-dir", default=None)
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (one process)"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
         "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
         "kv_cache_memory_bytes "
-        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir"
+        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size"
     ).split()
     return {name: getattr(args, name) for name in names}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -14,15 +17,21 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from cbjax.engine.sharding import TensorParallel
+
 
 def load_model(
-    ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None
+    ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
     activation_dtype: see LlamaForCausalLM (None: the same as the weights).
     Every tensor's name, shape and dtype is checked against the model before anything is restored.
+    tensor_parallel: each tensor goes from the host straight into its sharding (no device ever holds
+    the whole model), KV heads repeated as it says; the config returned is the served one.
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
@@ -31,7 +40,12 @@ def load_model(
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
-    return _fill_model(config, model_dtype, params, activation_dtype), config
+    if tensor_parallel is None:
+        return _fill_model(config, model_dtype, params, activation_dtype), config
+    params = tensor_parallel.repeat_kv_heads(params, config)
+    config = tensor_parallel.serving_config(config)
+    place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
+    return _fill_model(config, model_dtype, params, activation_dtype, place), config
 
 
 def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool) -> dict[str, np.ndarray]:
@@ -47,16 +61,19 @@ def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: b
 
 
 def _fill_model(
-    config: ModelConfig, dtype: str, params: dict[str, np.ndarray], activation_dtype: str | None = None
+    config: ModelConfig, dtype: str, params: dict[str, np.ndarray], activation_dtype: str | None = None,
+    place: Callable[[str, np.ndarray], jax.Array] = lambda name, array: jnp.asarray(array),
 ) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
-    released once it is on device, so at most one extra tensor is alive beyond one model copy."""
+    released once it is on device, so at most one extra tensor is alive beyond one model copy.
+    `place` puts one named host tensor on its device(s)."""
     graphdef, abstract_state = nnx.split(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
     )
     filled = [
         (path, variable.replace(
-            jnp.asarray(params.pop(param_name(path)), dtype=dtype) if isinstance(variable, nnx.Param)
+            place(param_name(path), np.asarray(params.pop(param_name(path))).astype(jnp.dtype(dtype), copy=False))
+            if isinstance(variable, nnx.Param)
             else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
         ))
         for path, variable in nnx.to_flat_state(abstract_state)
