@@ -19,6 +19,8 @@ from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
 from cbjax.checkpoint.params import param_name  # noqa: E402
+from cbjax.engine.config import EngineConfig  # noqa: E402
+from cbjax.engine.engine import LLMEngine  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
@@ -73,6 +75,12 @@ def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter) -> dict:
     }
 
 
+def cuda_lowering_failures(ckpt: Path, tp: int) -> list[str]:
+    """Every bucket lowered for CUDA (Pallas kernels under shard_map) with the TP shardings; what failed."""
+    engine = LLMEngine(EngineConfig(model=str(ckpt), tensor_parallel_size=tp, num_kv_blocks=40, **ENGINE_OPTIONS), precompile=False)
+    return [f"{bucket}: {error}" for bucket, error in engine.runner.lower_all("cuda", "pallas") if error is not None]
+
+
 def refusal(ckpt: Path, tp: int) -> str:
     try:
         LLM(str(ckpt), tensor_parallel_size=tp, **ENGINE_OPTIONS)
@@ -91,6 +99,7 @@ def main() -> None:
         "prompts": prompts(),
         "llama": {tp: serve("llama", llama[1], tp, compiles) for tp in (2, 4)},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
+        "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

@@ -82,6 +82,10 @@ def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_head
     assert run["pool"]["shard_shapes"] == [[1, run["num_blocks"], 8, head_dim]]
 
 
+def test_every_step_lowers_for_cuda_with_tp_shardings(findings):
+    assert findings["cuda_lowering_failures"] == []
+
+
 def test_refuses_what_cannot_work(findings):
     too_many, not_divisible = findings["refusals"]["too_many_devices"], findings["refusals"]["heads_not_divisible"]
     assert "tensor_parallel_size=8" in too_many and "4 present" in too_many and "[1, 2, 4]" in too_many
