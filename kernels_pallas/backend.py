@@ -204,34 +204,21 @@ def write_kv_and_attend(
     a 26 ms SmolLM2 decode step); every other backend is `write_kv` then `attention`.
     """
     if plan.mesh is not None:
-        return _write_kv_and_attend_per_shard(q, k, v, kv_cache, metadata, sm_scale, plan)
+        # Tensor parallel: each device runs this on its own heads and pool shard (no kernel is
+        # partitioned by XLA); whole query heads sit with the KV heads they read, so attention needs
+        # no communication. The metadata is replicated.
+        heads, pool = P(None, MODEL_AXIS, None), P(MODEL_AXIS)
+        per_shard = jax.shard_map(
+            functools.partial(write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None)),
+            mesh=plan.mesh,
+            in_specs=(heads, heads, heads, (pool, pool), P()),
+            out_specs=(heads, (pool, pool)),
+            check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
+        )
+        return per_shard(q, k, v, kv_cache, metadata)
     if plan.backend == "cpp":
         out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
     return attention(q, k_pages, v_pages, metadata, sm_scale, plan), (k_pages, v_pages)
 
-
-def _write_kv_and_attend_per_shard(
-    q: Float[Array, "tokens q_heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_cache: tuple[Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]],
-    metadata: AttentionMetadata,
-    sm_scale: float,
-    plan: AttentionPlan,
-) -> tuple[Float[Array, "tokens q_heads dim"], tuple[Array, Array]]:
-    """write_kv_and_attend on each device's heads and pool shard: no kernel is partitioned by XLA.
-
-    Each device holds whole query heads and the KV heads they read (the pool is split over KV
-    heads), so attention needs no communication; the metadata is replicated.
-    """
-    heads, pool = P(None, MODEL_AXIS, None), P(MODEL_AXIS)
-    per_shard = jax.shard_map(
-        functools.partial(write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None)),
-        mesh=plan.mesh,
-        in_specs=(heads, heads, heads, (pool, pool), P()),
-        out_specs=(heads, (pool, pool)),
-        check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
-    )
-    return per_shard(q, k, v, kv_cache, metadata)

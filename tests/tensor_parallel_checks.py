@@ -15,6 +15,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
+from test_engine import COMPILES, CompileCounter  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
@@ -28,16 +29,6 @@ ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=
 KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen3": 81920}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
-
-
-class CompileCounter:
-    def __init__(self):
-        self.armed, self.count = False, 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event, duration, **kwargs):
-        if self.armed and event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def prompts() -> list[list[int]]:
@@ -91,7 +82,7 @@ def refusal(ckpt: Path, tp: int) -> str:
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
-    compiles = CompileCounter()
+    compiles = COMPILES
     llama = make_tiny_checkpoint(tmp / "llama", "llama")  # 4 heads, 2 KV heads
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
     result = {
