@@ -20,7 +20,11 @@ from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
 from cbjax.checkpoint.params import param_name  # noqa: E402
+from cbjax.checkpoint.convert import PARAMS_DIR  # noqa: E402
+from cbjax.checkpoint.loader import _restore_orbax  # noqa: E402
+from cbjax.config import ModelConfig  # noqa: E402
 from cbjax.engine.config import EngineConfig  # noqa: E402
+from cbjax.engine.sharding import TensorParallel  # noqa: E402
 from cbjax.engine.engine import LLMEngine  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
@@ -72,6 +76,14 @@ def cuda_lowering_failures(ckpt: Path, tp: int) -> list[str]:
     return [f"{bucket}: {error}" for bucket, error in engine.runner.lower_all("cuda", "pallas") if error is not None]
 
 
+def restored_shard_shapes(ckpt: Path, tp: int) -> dict[str, list]:
+    """Shard shapes of tensors as orbax restores them, before any device_put: straight into shardings."""
+    config = ModelConfig.from_dir(ckpt)
+    tensor_parallel = TensorParallel.create(config, tp)
+    params = _restore_orbax(ckpt / PARAMS_DIR, config, config.dtype, cast=False, sharding=tensor_parallel.restore_sharding)
+    return {name: sorted({tuple(s.data.shape) for s in array.addressable_shards}) for name, array in params.items()}
+
+
 def refusal(ckpt: Path, tp: int) -> str:
     try:
         LLM(str(ckpt), tensor_parallel_size=tp, **ENGINE_OPTIONS)
@@ -90,6 +102,7 @@ def main() -> None:
         "prompts": prompts(),
         "llama": {tp: serve("llama", llama[1], tp, compiles) for tp in (2, 4)},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
+        "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }

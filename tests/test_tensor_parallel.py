@@ -82,6 +82,13 @@ def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_head
     assert run["pool"]["shard_shapes"] == [[1, run["num_blocks"], 8, head_dim]]
 
 
+def test_orbax_restores_straight_into_shardings(findings):
+    restored = findings["restored_shard_shapes"]  # TP=2, as read from the checkpoint
+    assert restored["model.embed_tokens.embedding"] == [[160, 64]]
+    assert restored["model.layers.0.self_attn.q_proj.kernel"] == [[64, 32]]
+    assert restored["model.layers.0.mlp.down_proj.kernel"] == [[64, 64]]
+
+
 def test_every_step_lowers_for_cuda_with_tp_shardings(findings):
     assert findings["cuda_lowering_failures"] == []
 

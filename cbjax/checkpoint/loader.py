@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
-from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, param_name
+from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
 from cbjax.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
@@ -30,14 +30,16 @@ def load_model(
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
     activation_dtype: see LlamaForCausalLM (None: the same as the weights).
     Every tensor's name, shape and dtype is checked against the model before anything is restored.
-    tensor_parallel: each tensor goes from the host straight into its sharding (no device ever holds
-    the whole model), KV heads repeated as it says; the config returned is the served one.
+    tensor_parallel: orbax restores each tensor straight into its sharding (an HF directory is read
+    on the host, then each tensor is put into its sharding), so no device ever holds the whole
+    model; KV heads are repeated as it says, and the config returned is the served one.
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
     if (ckpt_dir / PARAMS_DIR).is_dir():
-        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None)
+        restore_sharding = None if tensor_parallel is None else tensor_parallel.restore_sharding
+        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None, sharding=restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
     if tensor_parallel is None:
@@ -48,7 +50,11 @@ def load_model(
     return _fill_model(config, model_dtype, params, activation_dtype, place), config
 
 
-def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool) -> dict[str, np.ndarray]:
+def _restore_orbax(
+    params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool,
+    sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> dict[str, np.ndarray | jax.Array]:
+    """Every stored tensor by name: numpy on the host, or with `sharding` jax arrays restored into it."""
     expected = expected_params(config, jnp.dtype(dtype))
     with ocp.StandardCheckpointer() as checkpointer:
         stored = flatten_params(checkpointer.metadata(params_dir.resolve()).item_metadata.tree)
@@ -57,22 +63,27 @@ def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: b
             for name, meta in stored.items()
         }
         check_params(expected, found, source=str(params_dir))
-        return flatten_params(checkpointer.restore(params_dir.resolve()))
+        if sharding is None:
+            return flatten_params(checkpointer.restore(params_dir.resolve()))
+        target = nest_params({
+            name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(name, shape)) for name, (shape, dtype) in found.items()
+        })
+        return flatten_params(checkpointer.restore(params_dir.resolve(), target))
 
 
 def _fill_model(
-    config: ModelConfig, dtype: str, params: dict[str, np.ndarray], activation_dtype: str | None = None,
-    place: Callable[[str, np.ndarray], jax.Array] = lambda name, array: jnp.asarray(array),
+    config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
+    place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jnp.asarray(array),
 ) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
-    `place` puts one named host tensor on its device(s)."""
+    `place` puts one named tensor on its device(s) (a no-op for one already restored there)."""
     graphdef, abstract_state = nnx.split(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
     )
     filled = [
         (path, variable.replace(
-            place(param_name(path), np.asarray(params.pop(param_name(path))).astype(jnp.dtype(dtype), copy=False))
+            place(param_name(path), params.pop(param_name(path)).astype(jnp.dtype(dtype)))
             if isinstance(variable, nnx.Param)
             else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
         ))

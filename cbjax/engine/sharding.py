@@ -94,15 +94,15 @@ class TensorParallel:
         """The model as served: KV heads counted after repetition."""
         return dataclasses.replace(config, num_key_value_heads=config.num_key_value_heads * self.kv_repeats)
 
-    def repeat_kv_heads(self, params: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    def repeat_kv_heads(self, params: dict[str, np.ndarray | jax.Array], config: ModelConfig) -> dict[str, np.ndarray | jax.Array]:
         """k_proj/v_proj kernels and biases with each KV head's columns repeated kv_repeats times, in place.
 
         Copies of a head sit next to each other, so query head h still meets KV head h // group.
         """
         if self.kv_repeats == 1:
             return params
-        for name in [n for n in params if ".k_proj." in n or ".v_proj." in n]:
-            columns = params[name]
+        for name in [n for n in params if _is_kv_projection(n)]:
+            columns = np.asarray(params[name])
             heads = columns.reshape(*columns.shape[:-1], config.num_key_value_heads, config.head_dim)
             params[name] = np.repeat(heads, self.kv_repeats, axis=-2).reshape(*columns.shape[:-1], -1)
         return params
@@ -124,6 +124,13 @@ class TensorParallel:
     def weight_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.weight_spec(name, shape))
 
+    def restore_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        """Where the checkpoint restores a tensor: its final sharding, except k/v projections that are
+        still to be repeated (replicated: they are small, and repeating regroups their columns)."""
+        if self.kv_repeats > 1 and _is_kv_projection(name):
+            return self.replicated
+        return self.weight_sharding(name, shape)
+
     def shard_state(self, state: nnx.State) -> nnx.State:
         """Every weight in its sharding: a no-op for loaded parameters, a move for derived ones."""
         return nnx.from_flat_state([
@@ -140,6 +147,10 @@ class TensorParallel:
     def replicated(self) -> NamedSharding:
         """The packed step inputs and outputs, and the logits the sampler reads: whole on every device."""
         return NamedSharding(self.mesh, P())
+
+
+def _is_kv_projection(name: str) -> bool:
+    return ".k_proj." in name or ".v_proj." in name
 
 
 def step_shardings(tensor_parallel: TensorParallel, weights: list[jax.Array]) -> dict[str, tuple]:
