@@ -30,7 +30,7 @@ from cbjax.engine.engine import LLMEngine  # noqa: E402
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
 # once, so some are preempted and recomputed.
-KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen3": 81920}
+KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
 
@@ -96,11 +96,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     compiles = COMPILES
     llama = make_tiny_checkpoint(tmp / "llama", "llama")  # 4 heads, 2 KV heads
+    qwen2 = make_tiny_checkpoint(tmp / "qwen2", "qwen2")  # q/k/v biases, split and repeated with their columns
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
     result = {
-        "hf_dirs": {"llama": str(llama[0]), "qwen3": str(qwen3[0])},
+        "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0])},
         "prompts": prompts(),
         "llama": {tp: serve("llama", llama[1], tp, compiles) for tp in (2, 4)},
+        "qwen2": {4: serve("qwen2", qwen2[1], 4, compiles)},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),

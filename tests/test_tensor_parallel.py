@@ -2,7 +2,8 @@
 weight and the KV pool are really split as Megatron-style TP says (shard shapes worked by hand).
 
 The engines run in one subprocess (tensor_parallel_checks.py): the device count is fixed when
-jax starts. Tiny configs: hidden 64, intermediate 128, vocab 320, 4 heads of 16 (Qwen3: of 32).
+jax starts. Tiny configs: hidden 64, intermediate 128, vocab 320, 4 heads of 16 (Qwen3: of 32),
+2 KV heads (Qwen3: 1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def findings() -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen3", "4")])
+@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4")])
 def test_greedy_outputs_equal_transformers(findings, arch, tp):
     # Prompts of 60/45/37 tokens are prefilled in chunks of at most 32, and the 20-block pool preempts.
     run = findings[arch][tp]
@@ -62,6 +63,11 @@ def test_weights_split_megatron_style(findings, tp):
         "model.layers.0.input_layernorm.weight": ([64], [64]),  # replicated
         "model.norm.weight": ([64], [64]),
     }
+    if n == 4:  # Qwen2's biases follow their columns; k/v's are repeated like their heads
+        qwen2 = findings["qwen2"][tp]["weights"]
+        assert qwen2["model.layers.0.self_attn.q_proj.bias"]["shard_shapes"] == [[16]]
+        assert qwen2["model.layers.0.self_attn.k_proj.bias"]["shape"] == [64]
+        assert qwen2["model.layers.0.self_attn.k_proj.bias"]["shard_shapes"] == [[16]]
     for name, (shape, shard) in want.items():
         assert weights[name]["shape"] == shape, name
         assert weights[name]["shard_shapes"] == [shard], name
@@ -70,13 +76,15 @@ def test_weights_split_megatron_style(findings, tp):
         assert weight["num_devices"] == n, name
 
 
-@pytest.mark.parametrize(("arch", "tp", "pool_heads"), [("llama", "2", 2), ("llama", "4", 4), ("qwen3", "4", 4)])
+@pytest.mark.parametrize(
+    ("arch", "tp", "pool_heads"), [("llama", "2", 2), ("llama", "4", 4), ("qwen2", "4", 4), ("qwen3", "4", 4)]
+)
 def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_heads):
     run = findings[arch][tp]
-    head_dim = 16 if arch == "llama" else 32
+    head_dim = 32 if arch == "qwen3" else 16
     # Per device a block costs 2 layers x (K, V) x 1 KV head x 8 tokens x head_dim x 4 bytes.
     per_device_block = 2 * 2 * 1 * 8 * head_dim * 4
-    budget = {"llama": 40960, "qwen3": 81920}[arch]  # kv_cache_memory_bytes, per device
+    budget = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}[arch]  # kv_cache_memory_bytes, per device
     assert run["num_blocks"] == budget // per_device_block == 20
     assert run["pool"]["shape"] == [pool_heads, run["num_blocks"], 8, head_dim]
     assert run["pool"]["shard_shapes"] == [[1, run["num_blocks"], 8, head_dim]]
