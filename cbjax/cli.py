@@ -1,4 +1,4 @@
-"""`cbjax convert | import-gguf | generate | lower | bench`."""
+"""`cbjax convert | import-gguf | generate | lower | plan | bench`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from cbjax.bench.cli import add_bench_parser
 from cbjax.cli_args import add_engine_args, engine_options
+from cbjax.plan_cli import add_plan_parser
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
     p.set_defaults(func=cmd_lower)
 
+    add_plan_parser(sub)
     add_bench_parser(sub)
     return parser
 
