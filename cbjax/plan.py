@@ -132,11 +132,11 @@ def plan_capacity(
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
         fitting = [n for n in valid_tensor_parallel_sizes(config) if weight_bytes_per_device(model, config, n) < usable]
-        fix = f"use tensor_parallel_size={fitting[0]}" if fitting else "no valid tensor_parallel_size fits: use"
+        fix = f"use tensor_parallel_size={fitting[0]}, " if fitting else "no valid tensor_parallel_size fits; use "
         raise ValueError(
             f"the weights take {weights / 2**30:.1f} GiB per device at tensor_parallel_size={tensor_parallel_size}; "
             f"one {device.name} gives {usable / 2**30:.1f} GiB at gpu_memory_utilization={gpu_memory_utilization}; "
-            f"{fix} or a smaller dtype or a larger device"
+            f"{fix}a smaller dtype or a larger device"
         )
     pool_dtype = kv_cache_dtype(kv_cache_dtype_name, model)
     heads = kv_heads_per_device(config.num_key_value_heads, tensor_parallel_size)

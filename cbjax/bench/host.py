@@ -12,7 +12,7 @@ the passage continued, --output-len tokens, ignore_eos) and are measured over th
 - host critical path: from one step's end to the next one's start, the time the device waits
   for the host (in the synchronous loop: all the host's work of a step; hidden work is not in it).
   It includes the wake lag, how late a host thread waiting for a result noticed it was ready
-  (the machine's scheduling, not cbjax's work), reported on its own.
+  (the machine's scheduling, not cbjax's work); host work is the critical path without it.
 Variants: greedy alone; + penalties (presence, frequency, repetition: the token history is packed);
 + stop strings (checked on the text every step, never found, so every request runs to the end).
 """
@@ -41,7 +41,7 @@ PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_pena
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
 KEYS = ["max_model_len", "variant", "num_running", "delay_ms", "wall_ms_per_step", "host_ms_per_step",
-        "wake_lag_ms_per_step", "num_measured_steps", "num_steps", "num_output_tokens"]
+        "wake_lag_ms_per_step", "host_work_ms_per_step", "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
@@ -71,6 +71,7 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
         "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
         "wake_lag_ms_per_step": statistics.median(steps[i].wake_lag for i in full) * 1e3,
+        "host_work_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end - steps[i].wake_lag for i in full) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
         "num_output_tokens": sum(len(output.outputs[0].token_ids) for output in finished),
         "finish_reasons": sorted({output.outputs[0].finish_reason for output in finished}),
