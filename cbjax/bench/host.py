@@ -12,7 +12,11 @@ the passage continued, --output-len tokens, ignore_eos) and are measured over th
 - host critical path: from one step's end to the next one's start, the time the device waits
   for the host (in the synchronous loop: all the host's work of a step; hidden work is not in it).
   It includes the wake lag, how late a host thread waiting for a result noticed it was ready
-  (the machine's scheduling, not cbjax's work); host work is the critical path without it.
+  (the machine's scheduling, not cbjax's work); host work is the critical path without it;
+- host CPU: the process's CPU time from one launch to the next, less what waiting took (all the
+  host's work of a step, hidden or not): on a shared, loaded machine it moves far less than wall
+  times do.
+Runs repeat (--repeats) interleaved; `medians` gives each setting's median over the repeats.
 Variants: greedy alone; + penalties (presence, frequency, repetition: the token history is packed);
 + stop strings (checked on the text every step, never found, so every request runs to the end).
 """
@@ -40,8 +44,9 @@ STOP_STRINGS = ["\nUser:", "</answer>"]  # not in PASSAGE: checked every step, n
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
-KEYS = ["max_model_len", "variant", "num_running", "delay_ms", "wall_ms_per_step", "host_ms_per_step",
-        "wake_lag_ms_per_step", "host_work_ms_per_step", "num_measured_steps", "num_steps", "num_output_tokens"]
+SETTING = ["max_model_len", "variant", "num_running", "delay_ms"]
+TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
+KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
@@ -72,11 +77,25 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
         "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
         "wake_lag_ms_per_step": statistics.median(steps[i].wake_lag for i in full) * 1e3,
         "host_work_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end - steps[i].wake_lag for i in full) * 1e3,
+        "host_cpu_ms_per_step": statistics.median(
+            steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
+        ) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
         "num_output_tokens": sum(len(output.outputs[0].token_ids) for output in finished),
         "finish_reasons": sorted({output.outputs[0].finish_reason for output in finished}),
         "elapsed_s": elapsed,
     }
+
+
+def medians_by_setting(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each setting's median of every time over its repeats, in the order the settings first ran."""
+    settings: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        settings.setdefault(tuple(run[k] for k in SETTING), []).append(run)
+    return [
+        dict(zip(SETTING, setting)) | {k: statistics.median(r[k] for r in group) for k in TIMES}
+        for setting, group in settings.items()
+    ]
 
 
 def build_standin_engine(args: argparse.Namespace, max_model_len: int):
@@ -107,8 +126,10 @@ def cmd_host(args: argparse.Namespace) -> None:
                         runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
                                              variant, delay_ms / 1e3))
                         print_table(runs[-1:], KEYS)
-    result = {"runs": runs, **environment(args)}
-    print_table(runs, KEYS)
+    medians = medians_by_setting(runs)
+    print(f"\nmedians over {args.repeats} repeat(s):")
+    print_table(medians, [*SETTING, *TIMES])
+    result = {"medians": medians, "runs": runs, **environment(args)}
     write_json(args.result_json, result)
 
 

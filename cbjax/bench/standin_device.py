@@ -47,7 +47,9 @@ class DeviceStep:
     num_sampling_rows: int  # requests that sample a token in it
     start: float
     end: float
+    launch_cpu: float  # the process's CPU time (time.process_time) when the host launched it
     wake_lag: float = 0.0  # how late a host waiting for the result noticed it was ready
+    wait_cpu: float = 0.0  # CPU time the host spent waiting for it (sleeping in slices)
 
 
 class DeviceTimeline:
@@ -62,7 +64,7 @@ class DeviceTimeline:
         """Queue a step now."""
         start = max(time.perf_counter(), self._free_at)
         self._free_at = start + self.delay_s
-        self.steps.append(DeviceStep(kind, num_sampling_rows, start, self._free_at))
+        self.steps.append(DeviceStep(kind, num_sampling_rows, start, self._free_at, time.process_time()))
         return self.steps[-1]
 
 
@@ -79,9 +81,11 @@ class PendingResult:
     def block_until_ready(self) -> PendingResult:
         if self.is_ready():
             return self
+        cpu = time.process_time()
         while (left := self.step.end - time.perf_counter()) > 0:
             time.sleep(min(left, _SLEEP_SLICE_S))
         self.step.wake_lag = time.perf_counter() - self.step.end
+        self.step.wait_cpu = time.process_time() - cpu
         return self
 
     def copy_to_host_async(self) -> None:
