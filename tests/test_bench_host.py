@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax.bench.host import PASSAGE
-from cbjax.bench.standin_device import install_standin
+from cbjax.bench.standin_device import DeviceTimeline, PendingResult, install_standin
 from cbjax.cli import main
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine
@@ -19,6 +20,18 @@ from cbjax.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("host"), "llama")[1])
+
+
+def test_device_queue_runs_steps_one_after_another_while_the_host_goes_on():
+    timeline = DeviceTimeline(0.01)
+    first, second = timeline.launch("decode", 2), timeline.launch("decode", 2)
+    # Launched back to back: the second waits for the first, as on a GPU stream.
+    assert second.start == first.end == pytest.approx(first.start + 0.01)
+    result = PendingResult(np.arange(3), second)
+    assert not result.is_ready()  # the launches returned at once: the host is free
+    start = time.perf_counter()
+    assert np.asarray(result).tolist() == [0, 1, 2]
+    assert time.perf_counter() >= second.end and time.perf_counter() - start >= 0.015
 
 
 def test_standin_continues_the_passage_and_the_host_waits_for_the_device(checkpoint):

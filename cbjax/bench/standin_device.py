@@ -69,11 +69,14 @@ class DeviceTimeline:
 
 
 class PendingResult:
-    """A step's packed result that the host cannot read before the device has finished the step."""
+    """A step's packed result that the host cannot read before the device has finished the step.
+
+    It answers what an overlapping loop asks of a jax.Array (is_ready, copy_to_host_async,
+    block_until_ready, np.asarray), and passed back into a step it stands for its value.
+    """
 
     def __init__(self, value: jax.Array, step: DeviceStep):
         self.value, self.step = value, step
-        self.shape, self.dtype = value.shape, value.dtype
 
     def is_ready(self) -> bool:
         return time.perf_counter() >= self.step.end
