@@ -31,12 +31,15 @@ class RequestTimeline:
 
     prompt_len: int
     send_time: float
-    token_times: list[float] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)  # or streamed chunks' arrival times
     success: bool = True
+    # A server's usage count, when one streamed chunk may carry several tokens (vLLM counts tokens
+    # from `usage` and times ITLs per chunk); None: one token per entry of token_times.
+    num_output_tokens: int | None = None
 
     @property
     def output_len(self) -> int:
-        return len(self.token_times)
+        return len(self.token_times) if self.num_output_tokens is None else self.num_output_tokens
 
     @property
     def ttft(self) -> float:
