@@ -46,6 +46,12 @@ def test_a_divergence_is_a_near_tie_only_when_vllms_top_two_are_within_0_02():
     assert kinds(compare_case(GREEDY, {"g": vllm(0.3)}, {"g": cbjax})) == [("outputs[0].token_ids", "defect")]
 
 
+def test_stopping_early_is_never_a_near_tie():
+    v = record(output([10, 11], "ab", logprobs=[[[10, -0.1, 1, "a"]], [[11, -0.5, 1, "b"], [12, -0.51, 2, "c"]]]))
+    c = record(output([10], "a", "stop", "a", logprobs=[[[10, -0.1, 1, "a"]]]))
+    assert kinds(compare_case(GREEDY, {"g": v}, {"g": c})) == [("outputs[0].token_ids", "defect")]
+
+
 def test_without_logprobs_the_probe_decides_the_near_tie():
     case = {"name": "g", "prompt": "x", "params": {"temperature": 0.0}}
     v = record(output([10, 11], "ab"))

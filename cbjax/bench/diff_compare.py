@@ -76,14 +76,20 @@ def compare_logprobs(case: str, index: int, vllm: list[list[list]], cbjax: list[
     ]
 
 
+def prompt_or_count_mismatch(case: str, vllm: Record, cbjax: Record) -> Disagreement | None:
+    """Different prompt tokens or a different number of outputs: nothing further can be compared."""
+    if vllm["prompt_token_ids"] != cbjax["prompt_token_ids"]:
+        return Disagreement(case, "prompt_token_ids", "defect", vllm["prompt_token_ids"], cbjax["prompt_token_ids"])
+    if len(vllm["outputs"]) != len(cbjax["outputs"]):
+        return Disagreement(case, "len(outputs)", "defect", len(vllm["outputs"]), len(cbjax["outputs"]))
+    return None
+
+
 def compare_exact(case: str, vllm: Record, cbjax: Record, probe: Record | None) -> list[Disagreement]:
     """Greedy (or collapsed) requests: every field of every output must agree."""
+    if mismatch := prompt_or_count_mismatch(case, vllm, cbjax):
+        return [mismatch]
     found = []
-    if vllm["prompt_token_ids"] != cbjax["prompt_token_ids"]:
-        found.append(Disagreement(case, "prompt_token_ids", "defect", vllm["prompt_token_ids"], cbjax["prompt_token_ids"]))
-        return found  # different prompts: the outputs cannot be compared
-    if len(vllm["outputs"]) != len(cbjax["outputs"]):
-        return [Disagreement(case, "len(outputs)", "defect", len(vllm["outputs"]), len(cbjax["outputs"]))]
     for v, c in zip(vllm["outputs"], cbjax["outputs"]):
         i = v["index"]
         diverged = first_divergence(v["token_ids"], c["token_ids"])
@@ -93,6 +99,11 @@ def compare_exact(case: str, vllm: Record, cbjax: Record, probe: Record | None) 
             for key in ("text", "finish_reason", "stop_reason"):
                 if v[key] != c[key]:
                     found.append(Disagreement(case, f"outputs[{i}].{key}", "defect", v[key], c[key]))
+            v_sum, c_sum = v["cumulative_logprob"], c["cumulative_logprob"]
+            if (v_sum is None) != (c_sum is None) or (
+                v_sum is not None and not math.isclose(v_sum, c_sum, abs_tol=LOGPROB_TOL * max(1, len(v["token_ids"])))
+            ):
+                found.append(Disagreement(case, f"outputs[{i}].cumulative_logprob", "defect", v_sum, c_sum))
         if v["logprobs"] is not None:
             upto = len(v["token_ids"]) if diverged is None else diverged
             found += compare_logprobs(case, i, v["logprobs"], c["logprobs"], upto)
@@ -103,6 +114,10 @@ def compare_exact(case: str, vllm: Record, cbjax: Record, probe: Record | None) 
 
 def divergence(case: str, index: int, v: dict, c: dict, at: int, probe: Record | None) -> Disagreement:
     """A token divergence, classed near-tie from vLLM's top-2 logprobs at that position (its own or its probe's)."""
+    if at in (len(v["token_ids"]), len(c["token_ids"])):  # one output is the other's prefix: a stopping difference
+        return Disagreement(case, f"outputs[{index}].token_ids", "defect", v["token_ids"][at:at + 4], c["token_ids"][at:at + 4],
+                            f"one engine stops after {at} tokens ({v['finish_reason']!r} vs {c['finish_reason']!r}); "
+                            f"text {v['text']!r} vs {c['text']!r}")
     gap = None
     for source in (v, probe["outputs"][0] if probe and "outputs" in probe else None):
         if source and source["logprobs"] and len(source["logprobs"]) > at and source["token_ids"][:at] == v["token_ids"][:at]:
@@ -117,10 +132,8 @@ def divergence(case: str, index: int, v: dict, c: dict, at: int, probe: Record |
 
 def compare_first_logprobs(case: str, vllm: Record, cbjax: Record, num_logprobs: int | None) -> list[Disagreement]:
     """Sampled requests: the number of outputs, their lengths and the first position's top-N logprobs."""
-    if vllm["prompt_token_ids"] != cbjax["prompt_token_ids"]:
-        return [Disagreement(case, "prompt_token_ids", "defect", vllm["prompt_token_ids"], cbjax["prompt_token_ids"])]
-    if len(vllm["outputs"]) != len(cbjax["outputs"]):
-        return [Disagreement(case, "len(outputs)", "defect", len(vllm["outputs"]), len(cbjax["outputs"]))]
+    if mismatch := prompt_or_count_mismatch(case, vllm, cbjax):
+        return [mismatch]
     found = []
     for v, c in zip(vllm["outputs"], cbjax["outputs"]):
         i = v["index"]

@@ -129,11 +129,35 @@ def print_report(summary: dict, disagreements: list[dict]) -> None:
           f"{summary['defect_cases']} with defects ({summary['defects']} disagreements); vLLM {summary['vllm_version']}")
     if not disagreements:
         return
-    rows = [(d["case"], d["field"], d["kind"], f"vLLM {d['vllm']!r} | cbjax {d['cbjax']!r}", d["detail"]) for d in disagreements]
+    rows = [
+        (d["case"], d["field"], d["kind"], [f"vLLM {d['vllm']!r} | cbjax {d['cbjax']!r}"] * (d["vllm"] != d["cbjax"]) + [d["detail"]] * bool(d["detail"]))
+        for d in disagreements
+    ]
     widths = [max(len(r[k]) for r in rows) for k in range(3)]
-    for row in rows:
-        head = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
-        print(f"{head}  {row[3][:110]}" + (f"\n{'':{sum(widths) + 6}}{row[4][:150]}" if row[4] else ""))
+    indent = "\n" + " " * (sum(widths) + 6)
+    for *head, lines in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(head, widths)) + "  " + indent.join(line[:150] for line in lines))
+
+
+def report(cases: list[dict], vllm: dict[str, dict], cbjax: dict[str, dict], vllm_version: str, duration_s: float) -> dict:
+    """Compare every case, print the table; the result JSON (summary, disagreements, both engines' records)."""
+    from cbjax.bench.diff_compare import compare_case
+
+    by_case = {c["name"]: compare_case(c, vllm, cbjax) for c in cases}
+    disagreements = [d.__dict__ for found in by_case.values() for d in found]
+    defect_cases = [name for name, found in by_case.items() if any(d.kind == "defect" for d in found)]
+    summary = {
+        "cases": len(cases),
+        "agree": sum(not found for found in by_case.values()),
+        "near_tie_cases": sum(bool(found) and name not in defect_cases for name, found in by_case.items()),
+        "defect_cases": len(defect_cases),
+        "defects": sum(d["kind"] == "defect" for d in disagreements),
+        "near_ties": sum(d["kind"] == "near-tie" for d in disagreements),
+        "vllm_version": vllm_version,
+        "duration_s": duration_s,
+    }
+    print_report(summary, disagreements)
+    return {"summary": summary, "disagreements": disagreements, "cases": cases, "vllm": vllm, "cbjax": cbjax}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its graphs (slower start; default eager)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the vLLM run")
     parser.add_argument("--result-json", default="bench_results/diff_vllm.json")
+    parser.add_argument("--recompare", metavar="JSON", help="compare the records saved in an earlier result JSON again (no engine runs)")
     parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -156,8 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         pathlib.Path(args.out).write_text(json.dumps(worker_vllm(spec)))
         return
 
+    if args.recompare:
+        saved = json.loads(pathlib.Path(args.recompare).read_text())
+        report(saved["cases"], saved["vllm"], saved["cbjax"], saved["summary"]["vllm_version"], saved["summary"]["duration_s"])
+        return
+
     from cbjax.bench.diff_cases import CASES
-    from cbjax.bench.diff_compare import compare_case
     from cbjax.bench.peers import VENV_ROOT, run_system
 
     cases = [c for c in CASES if args.cases is None or c["name"] in args.cases]
@@ -177,22 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     cbjax = run_cbjax(spec | {"cases": cases})
     print(f"  startup {cbjax['startup_s']:.1f} s, requests {cbjax['run_s']:.1f} s", flush=True)
 
-    by_case = {c["name"]: compare_case(c, vllm["results"], cbjax["results"]) for c in cases}
-    disagreements = [d.__dict__ for found in by_case.values() for d in found]
-    defect_cases = [name for name, found in by_case.items() if any(d.kind == "defect" for d in found)]
-    summary = {
-        "cases": len(cases),
-        "agree": sum(not found for found in by_case.values()),
-        "near_tie_cases": sum(bool(found) and name not in defect_cases for name, found in by_case.items()),
-        "defect_cases": len(defect_cases),
-        "defects": sum(d["kind"] == "defect" for d in disagreements),
-        "near_ties": sum(d["kind"] == "near-tie" for d in disagreements),
-        "vllm_version": vllm["version"],
-        "duration_s": time.perf_counter() - start,
-    }
-    print_report(summary, disagreements)
-    result = {"summary": summary, "disagreements": disagreements, "cases": cases,
-              "vllm": vllm["results"], "cbjax": cbjax["results"]}
+    result = report(cases, vllm["results"], cbjax["results"], vllm["version"], time.perf_counter() - start)
     path = pathlib.Path(args.result_json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str))
