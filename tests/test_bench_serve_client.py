@@ -77,7 +77,8 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
         for i in range(payload["max_tokens"] // server.tokens_per_chunk):
             if i:
                 time.sleep(GAP_S)
-            self.event({"choices": [{"index": 0, "text": "x" * server.tokens_per_chunk, "finish_reason": None}]})
+            # generated text may hold characters str.splitlines breaks at (vLLM writes them unescaped)
+            self.event({"choices": [{"index": 0, "text": "x\u2028\x85\x1c"[: server.tokens_per_chunk + 2], "finish_reason": None}]})
             if i == 0:
                 self.wfile.write(b": keep-alive comment\n\n")
         self.event({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]), "completion_tokens": payload["max_tokens"]}})
@@ -89,7 +90,7 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
             self.server.in_flight -= 1
 
     def event(self, data: dict) -> None:
-        self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
+        self.wfile.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
         self.wfile.flush()
 
 

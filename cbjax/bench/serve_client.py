@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from cbjax.bench.dataset import SyntheticRequest
 from cbjax.bench.metrics import RequestTimeline
@@ -39,6 +39,23 @@ def served_model_name(base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
+async def sse_data(response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream, as each line completes.
+
+    Lines end at "\n" only: generated text inside the JSON may hold U+2028, U+0085 or other
+    characters that `str.splitlines` (and so httpx's `aiter_lines`) would also break at.
+    """
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            line = line.rstrip("\r")
+            if line.startswith("data:"):  # anything else: blank separators, ":" keep-alive comments, event names
+                yield line.removeprefix("data:").strip()
+    if pending.startswith("data:"):
+        yield pending.removeprefix("data:").strip()
+
+
 async def stream_completion(client, url: str, payload: dict, timeline: RequestTimeline, start: float) -> str | None:
     """Send one streaming request, stamping its chunks on `timeline` (s from `start`); the error, if any."""
     timeline.send_time = time.perf_counter() - start
@@ -48,11 +65,7 @@ async def stream_completion(client, url: str, payload: dict, timeline: RequestTi
                 body = (await response.aread()).decode(errors="replace")
                 timeline.success = False
                 return f"HTTP {response.status_code}: {body[:300]}"
-            async for line in response.aiter_lines():
-                data = line.strip()
-                if not data or data.startswith(":"):  # SSE keep-alive comments
-                    continue
-                data = data.removeprefix("data:").strip()
+            async for data in sse_data(response):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
