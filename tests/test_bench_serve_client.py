@@ -24,7 +24,7 @@ from cbjax.cli import main as cbjax_main
 
 pytest.importorskip("httpx")
 
-FIRST_S, GAP_S, SLACK_S = 0.10, 0.04, 0.06  # slack: 2 cores shared with other work
+FIRST_S, GAP_S, SLACK_S = 0.20, 0.08, 0.10  # long sleeps and wide slack: CI's cores may be busy
 
 
 class FakeServer(http.server.ThreadingHTTPServer):
@@ -124,7 +124,7 @@ def test_times_ttft_itl_tpot_and_e2el_from_the_stream(serve):
     assert m["total_output_tokens"] == 20
     assert m["total_input_tokens"] == sum(r.prompt_len for r in reqs)
     assert FIRST_S * 1000 <= m["mean_ttft_ms"] <= (FIRST_S + SLACK_S) * 1000
-    assert GAP_S * 1000 <= m["median_itl_ms"] <= (GAP_S + SLACK_S) * 1000
+    assert GAP_S * 1000 <= m["mean_itl_ms"] <= (GAP_S + SLACK_S) * 1000  # the usage chunk is no token
     assert GAP_S * 1000 <= m["mean_tpot_ms"] <= (GAP_S + SLACK_S) * 1000
     e2el = FIRST_S + 4 * GAP_S
     assert e2el * 1000 <= m["mean_e2el_ms"] <= (e2el + 2 * SLACK_S) * 1000
@@ -153,14 +153,17 @@ def test_max_concurrency_caps_requests_in_flight_and_ttft_counts_from_the_send(s
     assert server.peak_in_flight == 2
     one = FIRST_S + 2 * GAP_S
     assert duration >= 2 * one  # two waves of two
-    m = serving_metrics(timelines, duration)
-    # the second wave waited for a slot, but its TTFT starts when it was sent, as in vLLM
-    assert m["completed"] == 4 and m["p99_ttft_ms"] <= (FIRST_S + SLACK_S) * 1000
+    assert serving_metrics(timelines, duration)["completed"] == 4
+    # the second wave waited for a slot, but its TTFT counts from when it was sent, as in vLLM
+    # (from the benchmark's start it would be at least one + FIRST_S)
+    second_wave = sorted(timelines, key=lambda t: t.send_time)[2:]
+    assert all(t.send_time >= one for t in second_wave)
+    assert all(FIRST_S <= t.ttft < one + FIRST_S / 2 for t in second_wave)
 
 
 def test_poisson_send_times_are_kept(serve):
     server = serve()
-    offsets = [0.0, 0.15, 0.3]
+    offsets = [0.0, 0.3, 0.6]
     timelines, _, _ = asyncio.run(drive_server(server.url, "fake-model", requests([1, 1, 1]), offsets))
     for timeline, offset in zip(timelines, offsets):
         assert offset <= timeline.send_time <= offset + SLACK_S
@@ -191,3 +194,13 @@ def test_cli_writes_vllms_result_keys(serve, tmp_path):
     assert result["model_id"] == "fake-model" and result["completed"] == 3 and result["total_output_tokens"] == 6
     assert len(server.payloads) == 1 + 3 and all(0 <= t < 100 for p in server.payloads for t in p["prompt"])
     assert all(p["temperature"] == 1.0 for p in server.payloads)
+
+
+def test_an_unreachable_server_or_unknown_model_gets_a_clear_message(serve):
+    server = serve(reject_max_tokens=3)
+    with pytest.raises(SystemExit, match="initial test request .* failed .*HTTP 400"):
+        asyncio.run(drive_server(server.url, "fake-model", requests([3, 5]), [0.0, 0.0]))
+    server.shutdown()
+    server.server_close()
+    with pytest.raises(SystemExit, match="is the server up"):
+        served_model_name(server.url)

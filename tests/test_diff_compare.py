@@ -95,3 +95,14 @@ def test_repeatability_is_compared_between_the_engines():
     assert compare_case(case, {"first": one, "again": one}, {"first": two, "again": two}) == []
     assert kinds(compare_case(case, {"first": one, "again": one}, {"first": one, "again": two})) == [
         ("repeatable_with first", "defect")]
+
+
+def test_prompt_logprobs_are_compared_from_the_second_prompt_position():
+    v = record(output([10], "a"))
+    v["prompt_logprobs"] = [None, [[2, -1.0, 1, "b"], [9, -2.0, 2, "z"]], [[3, -0.5, 1, "c"]]]
+    c = copy.deepcopy(v)
+    assert compare_case(GREEDY | {"params": {}}, {"g": v}, {"g": c}) == []
+    c["prompt_logprobs"][2] = [[3, -0.5, 4, "c"]]
+    assert kinds(compare_case(GREEDY | {"params": {}}, {"g": v}, {"g": c})) == [("prompt_logprobs.rank", "defect")]
+    del c["prompt_logprobs"]
+    assert kinds(compare_case(GREEDY | {"params": {}}, {"g": v}, {"g": c})) == [("prompt_logprobs", "defect")]

@@ -67,6 +67,7 @@ CASES: list[dict] = [
     {"name": "logprobs_0", "prompt": ONCE, "params": GREEDY | {"max_tokens": 16, "logprobs": 0}},
     {"name": "logprobs_5", "prompt": CHAT_FRANCE, "params": GREEDY | {"max_tokens": 16, "logprobs": 5}},
     {"name": "logprobs_5_stop_str", "prompt": CHAT_FRANCE, "params": GREEDY | {"max_tokens": 16, "logprobs": 5, "stop": ["Paris"]}},
+    {"name": "prompt_logprobs_3", "prompt": ONCE, "params": GREEDY | {"max_tokens": 4, "prompt_logprobs": 3}},
     # penalties under greedy decoding
     {"name": "repetition_penalty", "prompt": ONCE, "params": GREEDY | {"max_tokens": 32, "repetition_penalty": 1.3}},
     {"name": "presence_frequency_penalty", "prompt": ONCE,

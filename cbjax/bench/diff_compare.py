@@ -3,7 +3,8 @@
 Both engines' outputs arrive as plain records (`cbjax.bench.diff_vllm.record`):
 {"prompt_token_ids", "outputs": [{"index", "text", "token_ids", "finish_reason", "stop_reason",
 "logprobs": [[[token_id, logprob, rank, decoded], ...] per position] | None,
-"cumulative_logprob"}]} or {"error": message}.
+"cumulative_logprob"}], "prompt_logprobs": the same per prompt position (the first None) | None}
+or {"error": message}.
 
 Once the token ids diverge, everything after depends on the divergence, so text, reasons and
 later logprobs of that output are not compared. The divergence is a near-tie (numerics, not a
@@ -48,15 +49,15 @@ def top_two_gap(position: list[list]) -> float | None:
     return None
 
 
-def compare_logprobs(case: str, index: int, vllm: list[list[list]], cbjax: list[list[list]] | None,
+def compare_logprobs(case: str, field: str, vllm: list[list[list] | None], cbjax: list[list[list] | None] | None,
                      upto: int) -> list[Disagreement]:
     """Logprob dicts position by position (first `upto`): same token ids, values within tolerance, same ranks."""
     if cbjax is None:
-        return [Disagreement(case, f"outputs[{index}].logprobs", "defect", "present", None)]
+        return [Disagreement(case, field, "defect", "present", None)]
     problems: dict[str, list[str]] = {}
     for pos, (v_pos, c_pos) in enumerate(zip(vllm[:upto], cbjax[:upto])):
-        v_by_id = {e[0]: e for e in v_pos}
-        c_by_id = {e[0]: e for e in c_pos}
+        v_by_id = {e[0]: e for e in v_pos or []}  # None: the first prompt position, which has no logprobs
+        c_by_id = {e[0]: e for e in c_pos or []}
         if v_by_id.keys() != c_by_id.keys():
             problems.setdefault("token set", []).append(f"pos {pos}: {sorted(v_by_id)} vs {sorted(c_by_id)}")
         for token_id in v_by_id.keys() & c_by_id.keys():
@@ -70,7 +71,7 @@ def compare_logprobs(case: str, index: int, vllm: list[list[list]], cbjax: list[
     if len(vllm) != len(cbjax) and upto >= max(len(vllm), len(cbjax)):
         problems.setdefault("positions", []).append(f"{len(vllm)} vs {len(cbjax)}")
     return [
-        Disagreement(case, f"outputs[{index}].logprobs.{what}", "defect", None, None,
+        Disagreement(case, f"{field}.{what}", "defect", None, None,
                      f"{len(examples)} mismatch(es), e.g. {'; '.join(examples[:2])}")
         for what, examples in problems.items()
     ]
@@ -90,6 +91,9 @@ def compare_exact(case: str, vllm: Record, cbjax: Record, probe: Record | None) 
     if mismatch := prompt_or_count_mismatch(case, vllm, cbjax):
         return [mismatch]
     found = []
+    if vllm.get("prompt_logprobs") is not None:
+        positions = len(vllm["prompt_token_ids"])
+        found += compare_logprobs(case, "prompt_logprobs", vllm["prompt_logprobs"], cbjax.get("prompt_logprobs"), positions)
     for v, c in zip(vllm["outputs"], cbjax["outputs"]):
         i = v["index"]
         diverged = first_divergence(v["token_ids"], c["token_ids"])
@@ -106,7 +110,7 @@ def compare_exact(case: str, vllm: Record, cbjax: Record, probe: Record | None) 
                 found.append(Disagreement(case, f"outputs[{i}].cumulative_logprob", "defect", v_sum, c_sum))
         if v["logprobs"] is not None:
             upto = len(v["token_ids"]) if diverged is None else diverged
-            found += compare_logprobs(case, i, v["logprobs"], c["logprobs"], upto)
+            found += compare_logprobs(case, f"outputs[{i}].logprobs", v["logprobs"], c["logprobs"], upto)
         elif c["logprobs"] is not None:
             found.append(Disagreement(case, f"outputs[{i}].logprobs", "defect", None, "present"))
     return found
@@ -142,7 +146,7 @@ def compare_first_logprobs(case: str, vllm: Record, cbjax: Record, num_logprobs:
         if v["logprobs"] and c["logprobs"]:
             # The engines sample different tokens: only the top-N (ranks 1..N) are fixed by the prompt.
             top = lambda pos: [e for e in pos if e[2] is not None and e[2] <= (num_logprobs or 0)]  # noqa: E731
-            found += compare_logprobs(case, i, [top(v["logprobs"][0])], [top(c["logprobs"][0])], 1)
+            found += compare_logprobs(case, f"outputs[{i}].logprobs", [top(v["logprobs"][0])], [top(c["logprobs"][0])], 1)
             v_unranked, c_unranked = unranked_samples(v), unranked_samples(c)
             if v_unranked != c_unranked:
                 found.append(Disagreement(case, f"outputs[{i}].logprobs.sampled_rank", "defect", v_unranked, c_unranked,

@@ -24,19 +24,26 @@ import time
 # ---- both engines: run the cases, record the outputs as JSON (stdlib only: runs in the vLLM venv too) ----
 
 
+def logprob_lists(positions) -> list | None:
+    """[{token_id: Logprob}] (None entries kept: a prompt's first position) as [[[id, logprob, rank, text]]]."""
+    if positions is None:
+        return None
+    return [
+        None if position is None else [[token_id, lp.logprob, lp.rank, lp.decoded_token] for token_id, lp in position.items()]
+        for position in positions
+    ]
+
+
 def record(output) -> dict:
     """A vLLM or cbjax RequestOutput (same shape) as plain JSON data."""
     return {
         "prompt_token_ids": list(output.prompt_token_ids),
+        "prompt_logprobs": logprob_lists(getattr(output, "prompt_logprobs", None)),
         "outputs": [
             {
                 "index": o.index, "text": o.text, "token_ids": list(o.token_ids),
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                "logprobs": None if o.logprobs is None else [
-                    [[token_id, lp.logprob, lp.rank, lp.decoded_token] for token_id, lp in position.items()]
-                    for position in o.logprobs
-                ],
-                "cumulative_logprob": o.cumulative_logprob,
+                "logprobs": logprob_lists(o.logprobs), "cumulative_logprob": o.cumulative_logprob,
             }
             for o in output.outputs
         ],

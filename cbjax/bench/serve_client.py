@@ -34,9 +34,15 @@ def httpx_module():
 def served_model_name(base_url: str) -> str:
     """The first model GET /v1/models lists (what vLLM's benchmark uses when --model is not given)."""
     httpx = httpx_module()
-    response = httpx.get(f"{base_url}/v1/models", timeout=30, trust_env=False)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=30, trust_env=False)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        raise SystemExit(
+            f"could not read the served model from {base_url}/v1/models ({type(error).__name__}: {error}); "
+            "is the server up at that URL? Or pass --model NAME"
+        ) from error
 
 
 async def sse_data(response) -> AsyncIterator[str]:
@@ -96,7 +102,7 @@ async def drive_server(
     url = f"{base_url}/v1/completions"
     timelines = [RequestTimeline(prompt_len=r.prompt_len, send_time=float("nan")) for r in requests]
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=max_concurrency or max(1, len(requests)), max_keepalive_connections=None)
 
     def payload(i: int) -> dict:
         return {
@@ -109,7 +115,7 @@ async def drive_server(
         # client's first-connection costs stay out of the numbers.
         error = await stream_completion(client, url, payload(0), RequestTimeline(requests[0].prompt_len, 0.0), time.perf_counter())
         if error:
-            raise RuntimeError(f"the initial test request to {url} failed: {error}")
+            raise SystemExit(f"the initial test request to {url} failed ({error}); check --base-url and --model")
         start = time.perf_counter()
 
         async def send(i: int) -> str | None:
