@@ -131,23 +131,17 @@ def cmd_throughput(args: argparse.Namespace) -> None:
 
 def serve_once(recorder, requests, offsets, max_concurrency, percentiles, slos, label: str):
     """One serve run: (the result dict, the request timelines)."""
-    from cbjax.bench.metrics import serving_metrics
+    from cbjax.bench.metrics import latencies_ms, serving_metrics
     from cbjax.bench.recorder import step_series, step_summary
     from cbjax.bench.serve import run_serve
 
     preemptions = recorder.engine.scheduler.num_preemptions
     timelines, duration = run_serve(recorder, requests, offsets, max_concurrency, label=label)
     metrics = serving_metrics(timelines, duration, percentiles, slos)
-    completed = [t for t in timelines if t.success and t.output_len]
     result = {
         **metrics,
         **step_summary(recorder.records, recorder.engine.scheduler.num_preemptions - preemptions),
-        "latencies_ms": {
-            "ttft": [1000 * t.ttft for t in completed],
-            "tpot": [1000 * t.tpot for t in completed if t.output_len > 1],
-            "itl": [1000 * x for t in completed for x in t.itls],
-            "e2el": [1000 * t.latency for t in completed],
-        },
+        "latencies_ms": latencies_ms(timelines),
         "steps": step_series(recorder.records),
     }
     return result, timelines
@@ -209,6 +203,11 @@ def cmd_serve_http(args: argparse.Namespace, percentiles: list[float], slos: dic
     if result["failed"]:
         print("first error:", next(e for e in errors if e))
     write_json(args.result_json, result)
+    if args.plot:
+        from cbjax.bench.metrics import latencies_ms
+        from cbjax.bench.plots import plot_latency_cdfs
+
+        print("plots:", *plot_latency_cdfs(pathlib.Path(args.plot), {model: latencies_ms(timelines)}))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
