@@ -7,8 +7,9 @@
 The requests are `cbjax.bench.diff_cases.CASES` (extend them there). vLLM runs them in the peer
 venv as a subprocess of this script (`--worker vllm`, which writes JSON), cbjax in process, both
 in float32 on the same SmolLM2-135M-Instruct weights (vLLM: the Hugging Face directory the
-GGUF import makes; cbjax: the checkpoint converted from it). Token ids, text, finish_reason,
-stop_reason and logprobs (values, ranks, decoded tokens) are compared (`cbjax.bench.diff_compare`);
+GGUF import makes; cbjax: the checkpoint converted from it). Prompt token ids, output token ids,
+text, finish_reason, stop_reason, cumulative_logprob, logprobs and prompt_logprobs (values, ranks,
+decoded tokens) are compared (`cbjax.bench.diff_compare`);
 a token divergence where vLLM's top two logprobs are within 0.02 is reported as a near-tie, not
 a defect. For requests that ask for fewer than 2 logprobs, vLLM also runs a probe copy with
 logprobs=2 (not compared) so that a divergence can still be classed.
