@@ -8,7 +8,7 @@ that disconnects, a cancelled task) aborts the request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cbjax.engine.config import EngineConfig
@@ -20,15 +20,34 @@ from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer import Tokenizer
 
 
-class AsyncLLM:
-    """Load and compile like `LLM(model, **options)`, then serve concurrent `generate` calls."""
+StatLoggerFactory = Callable[[EngineConfig], StatLogger]
 
-    def __init__(self, model: str, *, stat_loggers: Sequence[StatLogger] = (), progress: bool = True, **options: Any):
-        self.engine_config = EngineConfig(model=model, **options)
-        engine = LLMEngine(self.engine_config, progress=progress)
+
+class AsyncLLM:
+    """Load and compile like `LLM(model, **options)`, then serve concurrent `generate` calls.
+
+    stat_loggers: factories (vLLM's StatLoggerFactory) called with the resolved EngineConfig; the
+    loggers they make see every step's outputs, in the engine-core thread.
+    """
+
+    def __init__(
+        self, model: str, *, stat_loggers: Sequence[StatLoggerFactory] = (), progress: bool = True,
+        **options: Any,
+    ):
+        self._attach(LLMEngine(EngineConfig(model=model, **options), progress=progress), stat_loggers)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, stat_loggers: Sequence[StatLoggerFactory] = ()) -> AsyncLLM:
+        """Serve an engine built already; from now on only the engine-core thread touches it."""
+        async_llm = cls.__new__(cls)
+        async_llm._attach(engine, stat_loggers)
+        return async_llm
+
+    def _attach(self, engine: LLMEngine, stat_loggers: Sequence[StatLoggerFactory]) -> None:
+        self.engine_config = engine.config
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_config = engine.model_config
-        self.core = EngineCore(engine, stat_loggers)
+        self.core = EngineCore(engine, [make(self.engine_config) for make in stat_loggers])
         self.core.start()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -69,6 +88,10 @@ class AsyncLLM:
     async def get_stats(self) -> dict[str, Any]:
         """The engine's stats as of the latest step (num_running, num_waiting, kv_blocks_free, ...)."""
         return dict(self.core.stats)
+
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: waiting in the scheduler, or sent and not yet taken by the core."""
+        return self.core.stats["num_waiting"] + self.core.commands.qsize()
 
     def check_health(self) -> None:
         """Raise EngineDeadError once the engine-core loop has stopped."""
