@@ -90,8 +90,8 @@ class AsyncLLM:
         return dict(self.core.stats)
 
     def num_waiting_requests(self) -> int:
-        """Requests not yet running: waiting in the scheduler, or sent and not yet taken by the core."""
-        return self.core.stats["num_waiting"] + self.core.commands.qsize()
+        """Requests waiting for a seat, as of the latest step (new ones may still find a free seat)."""
+        return self.core.stats["num_waiting"]
 
     def check_health(self) -> None:
         """Raise EngineDeadError once the engine-core loop has stopped."""
