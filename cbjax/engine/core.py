@@ -29,7 +29,9 @@ class EngineDeadError(RuntimeError):
 
 
 class StatLogger(Protocol):
-    def record_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float) -> None:
+    def record_step(
+        self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
+    ) -> None:
         """Called in the core thread after every loop iteration with what that iteration produced."""
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cbjax.entrypoints.openai import serving
 from cbjax.entrypoints.openai.errors import APIError
 from cbjax.entrypoints.openai.protocol import (
     ChatChoice,
@@ -22,38 +23,28 @@ from cbjax.entrypoints.openai.protocol import (
     DeltaMessage,
     random_id,
 )
-from cbjax.entrypoints.openai.serving import (
-    ServerState,
-    cancel_on_disconnect,
-    check_context_length,
-    check_prompt_token_ids,
-    check_request,
-    first_chunk_or_error,
-    merged_outputs,
-    sampling_params,
-    sse_stream,
-    usage,
-)
+from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.llm import chat_prompt
 from cbjax.outputs import CompletionOutput, RequestOutput
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request: Request) -> Response:
-    check_request(state, body.model)
+    serving.check_request(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true; set it or drop top_logprobs",
                        "top_logprobs")
     prompt = chat_prompt(state.engine.tokenizer, conversation(body.messages), body.add_generation_prompt)
-    check_prompt_token_ids(state, prompt["prompt_token_ids"], "messages")
-    max_tokens = check_context_length(state, len(prompt["prompt_token_ids"]),
+    serving.check_prompt_token_ids(state, prompt["prompt_token_ids"], "messages")
+    max_tokens = serving.check_context_length(state, len(prompt["prompt_token_ids"]),
                                       body.max_completion_tokens or body.max_tokens)
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     request_id = random_id("chatcmpl")
-    outputs = merged_outputs(state.engine, [prompt], [params], request_id)
+    outputs = serving.merged_outputs(state.engine, [prompt], [params], request_id)
     if body.stream:
-        chunks = await first_chunk_or_error(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs))
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
-    response = await cancel_on_disconnect(raw_request, _collect(state, body, request_id, outputs))
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        chunks = await serving.first_chunk_or_error(_stream(state, body, request_id, num_prompt_tokens, outputs))
+        return StreamingResponse(serving.sse_stream(chunks), media_type="text/event-stream")
+    response = await serving.cancel_on_disconnect(raw_request, _collect(state, body, request_id, outputs))
     if response is None:  # the client left; its request was aborted
         return Response(status_code=499)
     return JSONResponse(response.model_dump())
@@ -106,7 +97,7 @@ async def _collect(
     ]
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
-                                  usage=usage(len(final.prompt_token_ids), num_completion_tokens))
+                                  usage=serving.usage(len(final.prompt_token_ids), num_completion_tokens))
 
 
 async def _stream(
@@ -138,4 +129,4 @@ async def _stream(
                 ))
     if body.stream_options and body.stream_options.include_usage:
         yield ChatCompletionChunk(id=request_id, model=state.served_model_name, choices=[],
-                                  usage=usage(num_prompt_tokens, num_completion_tokens))
+                                  usage=serving.usage(num_prompt_tokens, num_completion_tokens))

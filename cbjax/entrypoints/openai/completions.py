@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cbjax.entrypoints.openai import serving
 from cbjax.entrypoints.openai.errors import APIError
 from cbjax.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -16,37 +17,24 @@ from cbjax.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from cbjax.entrypoints.openai.serving import (
-    ServerState,
-    cancel_on_disconnect,
-    check_context_length,
-    check_prompt_token_ids,
-    check_request,
-    first_chunk_or_error,
-    merged_outputs,
-    sampling_params,
-    sse_stream,
-    usage,
-)
+from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request) -> Response:
-    check_request(state, body.model)
+    serving.check_request(state, body.model)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo=true with logprobs needs the prompt's logprobs, which this server does not "
                             "compute; drop echo or logprobs", "echo")
     prompts = _prompts(state, body.prompt)
-    params = [
-        sampling_params(body, check_context_length(state, len(p["prompt_token_ids"]), body.max_tokens), body.logprobs)
-        for p in prompts
-    ]
+    max_tokens = [serving.check_context_length(state, len(p["prompt_token_ids"]), body.max_tokens) for p in prompts]
+    params = [serving.sampling_params(body, limit, body.logprobs) for limit in max_tokens]
     request_id = random_id("cmpl")
-    outputs = merged_outputs(state.engine, prompts, params, request_id)
+    outputs = serving.merged_outputs(state.engine, prompts, params, request_id)
     if body.stream:
-        chunks = await first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
-    response = await cancel_on_disconnect(raw_request, _collect(state, body, request_id, prompts, outputs))
+        chunks = await serving.first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
+        return StreamingResponse(serving.sse_stream(chunks), media_type="text/event-stream")
+    response = await serving.cancel_on_disconnect(raw_request, _collect(state, body, request_id, prompts, outputs))
     if response is None:  # the client left; its requests were aborted
         return Response(status_code=499)
     return JSONResponse(response.model_dump())
@@ -64,7 +52,8 @@ def _prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list
     if not prompts:
         raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
     for index, p in enumerate(prompts):
-        check_prompt_token_ids(state, p["prompt_token_ids"], "prompt" if len(prompts) == 1 else f"prompt[{index}]")
+        field = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        serving.check_prompt_token_ids(state, p["prompt_token_ids"], field)
     return prompts
 
 
@@ -109,7 +98,7 @@ async def _collect(
             ))
     num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return CompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
-                              usage=usage(num_prompt_tokens, num_completion_tokens))
+                              usage=serving.usage(num_prompt_tokens, num_completion_tokens))
 
 
 async def _stream(
@@ -142,4 +131,4 @@ async def _stream(
     if body.stream_options and body.stream_options.include_usage:
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         yield CompletionResponse(id=request_id, model=state.served_model_name, choices=[],
-                                 usage=usage(num_prompt_tokens, num_completion_tokens))
+                                 usage=serving.usage(num_prompt_tokens, num_completion_tokens))

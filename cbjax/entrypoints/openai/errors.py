@@ -37,7 +37,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     error_type = ERROR_TYPES.get(status, http.HTTPStatus(status).phrase.replace(" ", "") + "Error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
@@ -53,8 +55,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     problems, param = [], None
     for item in error.errors():
         if item.get("type") == "json_invalid":
-            problems.append(f"the request body is not valid JSON ({item.get('ctx', {}).get('error', item.get('msg'))}); "
-                            "send a JSON object")
+            reason = item.get("ctx", {}).get("error", item.get("msg"))
+            problems.append(f"the request body is not valid JSON ({reason}); send a JSON object")
             continue
         field = ".".join(str(part) for part in item.get("loc", ()) if part != "body") or "body"
         param = param or field

@@ -77,13 +77,15 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.",
                                                    one_two_five_buckets(max_model_len))
+        step_buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                          [b for b in [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-                                           if b <= max_num_batched_tokens])
+                                          [b for b in step_buckets if b <= max_num_batched_tokens])
         self.progress: dict[str, _Progress] = {}
         self.preemptions_seen = 0
 
-    def record_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float) -> None:
+    def record_step(
+        self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
+    ) -> None:
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
         self.kv_cache_usage.set(1.0 - stats["kv_blocks_free"] / max(stats["kv_blocks_total"], 1))
