@@ -82,6 +82,9 @@ class EngineCore:
             for sink in self.sinks.values():
                 self._deliver(sink, dead)
             self.sinks.clear()
+            while (command := self._next_command()) is not None:  # adds sent while it was dying
+                if command[0] == "add":
+                    self._deliver(command[-1], dead)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once shutdown was asked."""

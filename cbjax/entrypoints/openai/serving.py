@@ -13,6 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from cbjax.engine.async_llm import AsyncLLM
+from cbjax.engine.core import EngineDeadError
 from cbjax.entrypoints.openai.errors import APIError, error_json
 from cbjax.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from cbjax.outputs import RequestOutput
@@ -160,6 +161,8 @@ async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         yield f"data: {error_json(error.status, error.message, error.param)}\n\n"
     except ValueError as error:
         yield f"data: {error_json(400, str(error))}\n\n"
+    except EngineDeadError as error:
+        yield f"data: {error_json(503, str(error))}\n\n"
     yield "data: [DONE]\n\n"
 
 
