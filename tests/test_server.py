@@ -371,3 +371,17 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(small_server):
 
     assert asyncio.run(run()) == ["length"] * 32, "every in-flight request finishes"
     assert small_server.process.wait(30) == 0
+
+
+def test_binding_beyond_loopback_without_a_key_warns(caplog, monkeypatch):
+    from cbjax.cli import build_parser
+
+    monkeypatch.delenv("CBJAX_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve", "./no/such/model", "--host", "0.0.0.0"])
+    with pytest.raises(ValueError, match="does not exist"):  # the warning comes before the model is loaded
+        args.func(args)
+    assert "without --api-key" in caplog.text
+    caplog.clear()
+    with pytest.raises(ValueError):
+        args.func(build_parser().parse_args(["serve", "./no/such/model", "--host", "127.0.0.1"]))
+    assert "without --api-key" not in caplog.text
