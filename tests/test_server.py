@@ -176,6 +176,10 @@ def test_stop_string_ends_the_text_before_it(client):
                                        stop=[stop], extra_body=NO_EOS).choices[0]
     assert choice.text == full[: full.index(stop)]
     assert choice.finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0.0,
+                                            stop=[stop], extra_body=NO_EOS, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text, "no streamed piece of the stop string"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_n_2_gives_two_choices(client):
