@@ -93,6 +93,9 @@ def test_greedy_completion_equals_transformers_with_usage(client, tiny, decode):
         assert choice.finish_reason == "length"
         assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), 10)
         assert response.usage.total_tokens == len(prompt) + 10
+    echoed = client.completions.create(model="tiny", prompt="Once upon a time", echo=True, **GREEDY, extra_body=NO_EOS)
+    plain = client.completions.create(model="tiny", prompt="Once upon a time", **GREEDY, extra_body=NO_EOS)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
 
 
 def test_streamed_completion_joins_to_the_non_streamed_text(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from cbjax.entrypoints.openai import serving
 from cbjax.entrypoints.openai.errors import APIError
@@ -41,13 +41,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     outputs = serving.merged_outputs(state.engine, [prompt], [params], request_id)
     if body.stream:
-        num_prompt_tokens = len(prompt["prompt_token_ids"])
-        chunks = await serving.first_chunk_or_error(_stream(state, body, request_id, num_prompt_tokens, outputs))
-        return StreamingResponse(serving.sse_stream(chunks), media_type="text/event-stream")
-    response = await serving.cancel_on_disconnect(raw_request, _collect(state, body, request_id, outputs))
-    if response is None:  # the client left; its request was aborted
-        return Response(status_code=499)
-    return JSONResponse(response.model_dump())
+        work = serving.first_chunk_or_error(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs))
+    else:
+        work = _collect(state, body, request_id, outputs)
+    return serving.respond(await serving.cancel_on_disconnect(raw_request, work))
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:

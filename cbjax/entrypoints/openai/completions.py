@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from cbjax.entrypoints.openai import serving
 from cbjax.entrypoints.openai.errors import APIError
@@ -32,12 +32,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     request_id = random_id("cmpl")
     outputs = serving.merged_outputs(state.engine, prompts, params, request_id)
     if body.stream:
-        chunks = await serving.first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
-        return StreamingResponse(serving.sse_stream(chunks), media_type="text/event-stream")
-    response = await serving.cancel_on_disconnect(raw_request, _collect(state, body, request_id, prompts, outputs))
-    if response is None:  # the client left; its requests were aborted
-        return Response(status_code=499)
-    return JSONResponse(response.model_dump())
+        work = serving.first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
+    else:
+        work = _collect(state, body, request_id, prompts, outputs)
+    return serving.respond(await serving.cancel_on_disconnect(raw_request, work))
 
 
 def _prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from cbjax.engine.async_llm import AsyncLLM
@@ -167,7 +168,8 @@ async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
 
 
 async def first_chunk_or_error(chunks: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Start a stream now so that a rejected request (bad input) still gets its 400 status."""
+    """Wait for the first chunk before any header goes out, so that a rejected request (bad input)
+    still gets its 400 status."""
     first = await anext(chunks)
 
     async def stream() -> AsyncIterator[T]:
@@ -176,6 +178,16 @@ async def first_chunk_or_error(chunks: AsyncIterator[T]) -> AsyncIterator[T]:
             yield chunk
 
     return stream()
+
+
+def respond(answer: BaseModel | AsyncIterator[BaseModel] | None) -> Response:
+    """The HTTP response for a handler's answer: JSON, an event stream, or 499 for a client that left
+    (its requests are aborted already)."""
+    if answer is None:
+        return Response(status_code=499)
+    if isinstance(answer, BaseModel):
+        return JSONResponse(answer.model_dump())
+    return StreamingResponse(sse_stream(answer), media_type="text/event-stream")
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
