@@ -98,10 +98,6 @@ class AsyncLLM:
         if not self.core.is_alive:
             raise EngineDeadError(f"the engine-core loop is not running ({self.core.error!r})")
 
-    @property
-    def errored(self) -> bool:
-        return not self.core.is_alive
-
     def shutdown(self, timeout: float | None = None) -> None:
         """Abort every request left, deliver their final outputs, stop the core thread."""
         self.core.shutdown(timeout)
