@@ -293,10 +293,17 @@ def test_bad_inputs_get_error_bodies_while_a_neighbour_streams(server, client):
             for path, body, _, _ in BAD_REQUESTS:
                 content = body if isinstance(body, bytes) else json.dumps(body).encode()
                 answers.append(await http.post(path, content=content))
+
+            async def chunked_body():  # no Content-Length: the limit applies while it streams in
+                for _ in range(3):
+                    yield b" " * 10_000
+
+            answers.append(await http.post("/v1/completions", content=chunked_body()))
             return await streaming, answers
 
     text, answers = asyncio.run(run())
-    for (path, body, status, words), answer in zip(BAD_REQUESTS, answers):
+    cases = BAD_REQUESTS + [("/v1/completions", "chunked", 413, ["more than 20000 bytes"])]
+    for (path, body, status, words), answer in zip(cases, answers, strict=True):
         error = answer.json()["error"]
         assert (answer.status_code, error["code"]) == (status, status), (body, answer.text)
         assert error["type"] and all(word in error["message"] for word in words), (body, error)
