@@ -104,5 +104,5 @@ def test_every_step_lowers_for_cuda_with_tp_shardings(findings):
 def test_refuses_what_cannot_work(findings):
     too_many, not_divisible = findings["refusals"]["too_many_devices"], findings["refusals"]["heads_not_divisible"]
     assert "tensor_parallel_size=8" in too_many and "4 present" in too_many and "[1, 2, 4]" in too_many
-    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in not_divisible
-    assert "[1, 2, 4]" in not_divisible
+    assert "tensor_parallel_size=3" in not_divisible and "num_attention_heads=4 is not divisible by 3" in not_divisible
+    assert "valid sizes: 1, 2, 4" in not_divisible

@@ -2,6 +2,7 @@
 
 Megatron-style: q/k/v and gate/up are split by output columns (whole heads per device), o and
 down by input rows (XLA adds one all-reduce after each), the embedding and LM head by vocabulary.
+Which sizes split a model is cbjax.models.tensor_parallel's rule (shared with `cbjax plan`).
 The KV pool [kv_heads, blocks, block_size, head_dim] is split over KV heads, and attention runs
 per device under shard_map (kernels_pallas.backend). When a model has fewer KV heads than
 devices, each KV head is repeated until there is one per device, as tpu-inference does: a query
@@ -22,31 +23,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cbjax.checkpoint.params import param_name
 from cbjax.config import ModelConfig
+from cbjax.models.tensor_parallel import (
+    COLUMN_PARALLEL,
+    ROW_PARALLEL,
+    check_tensor_parallel,
+    valid_tensor_parallel_sizes,
+)
 from kernels_pallas.backend import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
-
-# Modules whose kernel [in, out] is split by output columns (bias too), or by input rows.
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def valid_sizes(config: ModelConfig, max_size: int) -> list[int]:
-    """Every tensor_parallel_size up to max_size that splits this model's heads and MLP evenly."""
-    return [n for n in range(1, max_size + 1) if _split_problem(config, n) is None]
-
-
-def _split_problem(config: ModelConfig, tp: int) -> str | None:
-    heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    if heads % tp:
-        return f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}"
-    if kv_heads % tp and tp % kv_heads:
-        return (
-            f"num_key_value_heads={kv_heads} neither divides into nor evenly repeats over tensor_parallel_size={tp}"
-        )
-    if inner % tp:
-        return f"intermediate_size={inner} is not divisible by tensor_parallel_size={tp}"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +48,12 @@ class TensorParallel:
         """Check that `size` can work for this model on these devices, then build the mesh."""
         devices = list(jax.devices() if devices is None else devices)
         if size > len(devices):
+            valid = [n for n in valid_tensor_parallel_sizes(config) if n <= len(devices)]
             raise ValueError(
                 f"tensor_parallel_size={size} asks for more devices than the {len(devices)} present "
-                f"({devices[0].platform}); use at most {len(devices)} (valid sizes for this model: "
-                f"{valid_sizes(config, len(devices))})"
+                f"({devices[0].platform}); use at most {len(devices)} (valid sizes for this model: {valid})"
             )
-        problem = _split_problem(config, size)
-        if problem is not None:
-            raise ValueError(
-                f"{problem}, so heads cannot be split evenly over devices; valid tensor_parallel_size values for "
-                f"this model on {len(devices)} devices: {valid_sizes(config, len(devices))}"
-            )
+        check_tensor_parallel(config, size)  # heads and MLP split evenly, or it names the valid sizes
         kv_repeats = max(size // config.num_key_value_heads, 1)
         shard_vocab = config.vocab_size % size == 0
         if kv_repeats > 1:
@@ -111,8 +91,10 @@ class TensorParallel:
         """The partition spec of the parameter at dotted path `name`, of this shape."""
         parts = name.split(".")
         module, leaf = parts[-2], parts[-1]
-        if module in COLUMN_PARALLEL and (module != "lm_head" or self.shard_vocab):
+        if module in COLUMN_PARALLEL:
             return P(None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
+        if module == "lm_head" and self.shard_vocab:
+            return P(None, MODEL_AXIS)
         if module in ROW_PARALLEL and leaf == "kernel":
             return P(MODEL_AXIS, None)
         if name == "model.embed_tokens.embedding" and self.shard_vocab:
