@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per token, plus the sampled token's
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token, plus the prompt token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -84,11 +85,12 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self._validate_stops()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), "
-                                 f"got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), got {value}")
 
     def _validate_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
