@@ -1,6 +1,7 @@
 """Where a step's time goes on the host, at many running requests.
 
     python -m cbjax.bench.host_overhead --model checkpoints/smollm2-135m-instruct --num-requests 256
+    python -m cbjax.bench.host_overhead --model ... --max-model-len 8192 --penalties   # penalty history cost
 
 Part 1 runs the real engine with `--num-requests` requests decoding together
 and times each phase of every step by wrapping the engine's own objects:
@@ -16,6 +17,7 @@ the same number of running requests, with a fake token per request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -42,7 +44,7 @@ def timed(times: dict[str, list[float]], name: str, fn):
     return wrapper
 
 
-def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int) -> dict:
+def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int, penalties: bool = False) -> dict:
     """Median seconds per phase over the steps where every request is decoding."""
     times: dict[str, list[float]] = defaultdict(list)
     runner, scheduler = engine.runner, engine.scheduler
@@ -60,6 +62,8 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
     scheduler.update = timed(times, "update", scheduler.update)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if penalties:
+        params = dataclasses.replace(params, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
     for i in range(num_requests):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(10, 40000, prompt_len).tolist()}, params)
     steps = []
@@ -110,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--penalties", action="store_true", help="every request uses presence, frequency and repetition penalties")
     parser.add_argument("--result-json", type=pathlib.Path, default=None)
     parser.set_defaults(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=256)
     args = parser.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
     report = dict(
-        engine=engine_phases(engine, args.num_requests, args.prompt_len, args.output_len),
+        engine=engine_phases(engine, args.num_requests, args.prompt_len, args.output_len, args.penalties),
+        max_model_len=args.max_model_len,
+        penalties=args.penalties,
         scheduler_alone=scheduler_alone(args.num_requests, args.prompt_len, args.output_len),
     )
     print(json.dumps(report, indent=2))
