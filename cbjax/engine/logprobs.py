@@ -1,11 +1,16 @@
 """Log-probabilities of chosen tokens with vLLM's ranks, on the device (sampled and prompt tokens alike)."""
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+# Prompt logprobs project this many token rows at a time: it bounds the step's [rows, vocab]
+# scratch (a 8192-token step over a 128k vocabulary would need 4 GiB per array at once).
+PROMPT_ROWS_PER_CHUNK = 256
 
 
 @jax.tree_util.register_dataclass
@@ -40,18 +45,24 @@ def no_logprobs(num_rows: int, num_logprobs: int) -> TokenLogprobs:
 
 
 def prompt_logprobs(
-    compute_logits: Callable[[Float[Array, "T H"]], Float[Array, "T V"]],
+    compute_logits: Callable[[Float[Array, "C H"]], Float[Array, "C V"]],
     hidden: Float[Array, "T H"],
     targets: Int[Array, "T"],
     num_logprobs: int,
 ) -> TokenLogprobs:
     """Per token row, the logprob and rank of `targets` (the next prompt token; -1 where no request
     asked) and the top num_logprobs. Logits of every token row cost a vocab projection each: only
-    in steps where some row asked."""
+    in steps where some row asked, PROMPT_ROWS_PER_CHUNK rows at a time."""
+    num_rows = hidden.shape[0]
+    chunk = math.gcd(num_rows, PROMPT_ROWS_PER_CHUNK)
+
+    def all_rows(hidden: Float[Array, "T H"], targets: Int[Array, "T"]) -> TokenLogprobs:
+        scored = jax.lax.map(
+            lambda rows: gather_logprobs(compute_logits(rows[0]), rows[1], num_logprobs),
+            (hidden.reshape(num_rows // chunk, chunk, -1), targets.reshape(num_rows // chunk, chunk)),
+        )
+        return jax.tree.map(lambda x: x.reshape(num_rows, *x.shape[2:]), scored)
+
     return jax.lax.cond(
-        jnp.any(targets >= 0),
-        lambda h, t: gather_logprobs(compute_logits(h), t, num_logprobs),
-        lambda h, _: no_logprobs(h.shape[0], num_logprobs),
-        hidden,
-        targets,
+        jnp.any(targets >= 0), all_rows, lambda h, _: no_logprobs(num_rows, num_logprobs), hidden, targets
     )

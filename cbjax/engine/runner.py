@@ -24,8 +24,8 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
-from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
+from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
@@ -167,7 +167,6 @@ class ModelRunner:
                 inputs.attention,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills),
             )
-            # Gather before the norm and head: only the sampled rows pay for the vocab projection.
             logits = model.compute_logits(hidden[inputs.logits_indices])
             penalty_state = record_step_tokens(penalty_state, inputs.token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
