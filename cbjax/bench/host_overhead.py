@@ -10,6 +10,9 @@ device (the compiled step, transfers included), update (Scheduler.update) and
 outputs (detokenization, stop strings, RequestOutput). Host share = everything
 but device, over the whole step.
 
+host_cpu_ms is the same host share measured as the main thread's CPU time (time.thread_time),
+which other processes competing for the cores do not inflate.
+
 Part 2 times the scheduler alone (schedule + update, no model, no device) at
 the same number of running requests, with a fake token per request.
 """
@@ -35,10 +38,13 @@ from cbjax.sampling_params import SamplingParams
 
 
 def timed(times: dict[str, list[float]], name: str, fn):
+    """Records fn's wall time under `name` and the calling thread's CPU time under `name`_cpu."""
+
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         result = fn(*args, **kwargs)
         times[name].append(time.perf_counter() - start)
+        times[f"{name}_cpu"].append(time.thread_time() - start_cpu)
         return result
 
     return wrapper
@@ -66,25 +72,25 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
         params = dataclasses.replace(params, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
     for i in range(num_requests):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(10, 40000, prompt_len).tolist()}, params)
-    steps = []
+    step = timed(times, "step", engine.step)
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
+        step()
     full = [i for i, flag in enumerate(everyone_decoding) if flag]
     if not full:
         raise SystemExit("no step had every request decoding; raise --output-len above the prefill steps")
     pick = lambda name: float(np.median([times[name][i] for i in full]))  # noqa: E731
-    step, schedule, update, execute, prepare = (
-        float(np.median([steps[i] for i in full])), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
-    )
+    step, schedule, update, execute, prepare = pick("step"), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
     device = execute - prepare
     outputs = step - schedule - update - execute
     host = step - device
+    # The main thread's CPU time, per step, outside the device call: host work that waiting for a
+    # busy CPU (other processes on a shared machine) does not inflate.
+    host_cpu = [times["step_cpu"][i] - times["execute_cpu"][i] + times["prepare_cpu"][i] for i in full]
     return dict(
         num_running=num_requests, step_ms=step * 1e3, schedule_ms=schedule * 1e3, prepare_ms=prepare * 1e3,
         device_ms=device * 1e3, update_ms=update * 1e3, outputs_ms=outputs * 1e3,
         host_ms=host * 1e3, host_share=host / step, scheduler_share=(schedule + update) / step,
+        host_cpu_ms=float(np.median(host_cpu)) * 1e3, prepare_cpu_ms=pick("prepare_cpu") * 1e3,
     )
 
 
