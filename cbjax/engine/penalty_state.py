@@ -86,6 +86,10 @@ class PenaltySlots:
             slot = self._slot_of[request_id] = self._free.pop()
         return slot
 
+    @property
+    def num_held(self) -> int:
+        return len(self._slot_of)
+
     def release(self, request_id: str) -> None:
         """Free the request's slot, if it holds one (finished, aborted or preempted)."""
         slot = self._slot_of.pop(request_id, None)
