@@ -23,7 +23,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "pallas", "pallas_interpret", "xla"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compilation-cache-dir", default=None)
+    parser.add_argument(
+        "--compilation-cache-dir", default="auto",
+        help="persistent compile cache folder; 'auto' = under ~/.cache/cbjax (CBJAX_DISABLE_COMPILE_CACHE=1 turns it off)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -51,7 +51,8 @@ def compiler() -> str:
     return cxx
 
 
-def _cpu_flags() -> str:
+def cpu_features() -> str:
+    """This CPU's feature flags line from /proc/cpuinfo (empty where there is none)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -67,7 +68,7 @@ def library_path(cxx: str) -> pathlib.Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
-                 _cpu_flags().encode()):
+                 cpu_features().encode()):
         key.update(part)
     return cache_dir() / f"cbjax_paged_attention_{key.hexdigest()[:16]}.so"
 

@@ -27,7 +27,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20
-    compilation_cache_dir: str | None = None  # persistent XLA compilation cache
+    # Persistent XLA compilation cache: "auto" = under cache_dir() (one folder per jax version and
+    # machine), a folder, or None = off (as is CBJAX_DISABLE_COMPILE_CACHE=1).
+    compilation_cache_dir: str | None = "auto"
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
