@@ -19,7 +19,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPU only (default 0.9)")
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "pallas", "pallas_interpret", "xla"])
     parser.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size (null block included)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the pool
-    gpu_memory_utilization: float = 0.9  # or a fraction of device memory (GPU)
+    gpu_memory_utilization: float | None = None  # or a fraction of device memory (GPU; None = 0.9)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None  # defaults to 512 chunked, else max_model_len
     # Most requests that compute a prompt chunk (2+ tokens) in one step; the others' chunks wait a
@@ -47,7 +47,7 @@ class EngineConfig:
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import jax
+from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.engine.block_manager import BlockManager
@@ -64,6 +65,7 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
+            weights_bytes=sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model))),
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
