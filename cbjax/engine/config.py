@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+
+from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 
 
 @dataclasses.dataclass
@@ -33,6 +36,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("int", "int | None") and value is not None:
+                check_int(field.name, value)
+            elif field.type == "float | None" and value is not None:
+                check_number(field.name, value)
+            elif field.type in ("str", "str | None") and isinstance(value, os.PathLike):
+                setattr(self, field.name, os.fspath(value))
+            elif field.type in ("str", "str | None") and value is not None and not isinstance(value, str):
+                raise ArgumentTypeError(f"{field.name} must be a str, got {describe(value)}")
         positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills")
         for name in positive:
             if getattr(self, name) < 1:
