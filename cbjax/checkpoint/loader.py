@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,7 +32,21 @@ def load_model(
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
-    return _fill_model(config, model_dtype, params, activation_dtype), config
+    model = _fill_model(config, model_dtype, params, activation_dtype)
+    release_free_heap()
+    return model, config
+
+
+def release_free_heap() -> None:
+    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
+
+    Restoring a checkpoint leaves the host copies and tensorstore's buffers freed but resident:
+    about 150 MB for SmolLM2's 540 MB of weights, which would count in the engine's footprint.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to release this way
+        pass
 
 
 def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool) -> dict[str, np.ndarray]:
