@@ -74,3 +74,9 @@ def test_gpu_memory_utilization_on_a_cpu_warns_once(monkeypatch):
         warnings.simplefilter("error")
         sizing(gpu_memory_utilization=0.5)
         sizing()
+
+
+def test_gpu_memory_utilization_on_a_cpu_warns_beside_an_explicit_pool_too(monkeypatch):
+    monkeypatch.setattr(kv_sizing, "_warned_cpu_utilization", False)
+    with pytest.warns(UserWarning, match="gpu_memory_utilization is ignored on a CPU"):
+        assert sizing(gpu_memory_utilization=0.5, num_kv_blocks=40) == 40

@@ -56,6 +56,8 @@ def plan_num_blocks(
     """
     blocks_per_request = -(-max_model_len // block_size)
     stats = device.memory_stats() if device.platform != "cpu" else None
+    if device.platform == "cpu" and gpu_memory_utilization is not None:
+        warn_gpu_memory_utilization_on_cpu()
     if num_kv_blocks is not None:
         num_blocks, source = num_kv_blocks, "num_kv_blocks"
     elif kv_cache_memory_bytes is not None:
@@ -65,8 +67,6 @@ def plan_num_blocks(
         free = int(stats["bytes_limit"] * utilization) - stats.get("bytes_in_use", 0) - reserved_bytes
         num_blocks, source = max(free, 0) // bytes_per_block, f"gpu_memory_utilization={utilization}"
     else:
-        if gpu_memory_utilization is not None:
-            warn_gpu_memory_utilization_on_cpu()
         num_blocks, source = _cpu_default(bytes_per_block, blocks_per_request, max_num_seqs, weights_bytes)
     if num_blocks - 1 < blocks_per_request:
         largest = (num_blocks - 1) * block_size
