@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     result: dict = {"model": args.model, "options": options}
     with tempfile.TemporaryDirectory() as caches:
-        env = os.environ | {"CBJAX_CACHE_DIR": caches, "CBJAX_KERNEL_CACHE": os.path.join(caches, "kernels")}
-        env.pop("CBJAX_DISABLE_COMPILE_CACHE", None)
+        env = os.environ | {"CBJAX_CACHE_DIR": caches}  # compiled steps and the built kernel both go there
+        for name in ("CBJAX_DISABLE_COMPILE_CACHE", "CBJAX_KERNEL_CACHE"):
+            env.pop(name, None)
         llm_command = [sys.executable, "-m", "cbjax.bench.startup", "--child", "llm", "--model", args.model, "--options", args.options]
         for run in ("cold", "warm"):
             stdout, _, total, rss = _run(llm_command, env)
