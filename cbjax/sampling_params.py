@@ -114,9 +114,13 @@ class SamplingParams:
 _dataclass_init = SamplingParams.__init__
 
 
+# A field SamplingParams has is supported, whatever the list says.
+_UNSUPPORTED = {k: v for k, v in UNSUPPORTED_SAMPLING_OPTIONS.items() if k not in SamplingParams.__dataclass_fields__}
+
+
 def _init_refusing_unsupported_vllm_options(self, *args, **kwargs) -> None:
-    reject_unsupported("SamplingParams", kwargs.items(), UNSUPPORTED_SAMPLING_OPTIONS)
-    _dataclass_init(self, *args, **{k: v for k, v in kwargs.items() if k not in UNSUPPORTED_SAMPLING_OPTIONS})
+    reject_unsupported("SamplingParams", kwargs.items(), _UNSUPPORTED)
+    _dataclass_init(self, *args, **{k: v for k, v in kwargs.items() if k not in _UNSUPPORTED})
 
 
 # vLLM users pass best_of=..., use_beam_search=...: say those are unsupported, not "unexpected keyword".

@@ -1,6 +1,7 @@
 """Where start-up goes: `LLM(model)` cold and warm, and `cbjax generate --chat` to its first token.
 
     python -m cbjax.bench.startup --model checkpoints/smollm2-135m-instruct [--out startup.json]
+        [--generate-against '--max-num-seqs 64 --max-num-batched-tokens 512' --rounds 2]
 
 Every measurement runs in a fresh process. "cold" starts with empty compilation and kernel
 caches (temporary folders), "warm" reuses what the cold run left there. The phases are timed
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,12 +80,12 @@ def child(model: str, options: dict) -> None:
                       "kv_blocks_total": stats["kv_blocks_total"], "xla_compiles": compiles(cache_events)}))
 
 
-def child_generate(model: str) -> None:
+def child_generate(model: str, flags: list[str]) -> None:
     """`cbjax generate --chat` as a user runs it, then its XLA compile count on the last stdout line."""
     from cbjax.cli import main as cli_main
 
     cache_events = count_compiles()
-    cli_main(["generate", "--model", model, "--chat", CHAT, "--max-tokens", "16"])
+    cli_main(["generate", "--model", model, "--chat", CHAT, "--max-tokens", "16", *flags])
     print(json.dumps({"xla_compiles": compiles(cache_events)}))
 
 
@@ -105,11 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     parser.add_argument("--options", default="{}", help="LLM options as JSON, e.g. '{\"max_num_seqs\": 32}'")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--generate-against", default=None,
+                        help="other `cbjax generate` flags to time side by side with its defaults, "
+                             "e.g. '--max-num-seqs 64 --max-num-batched-tokens 512'")
+    parser.add_argument("--rounds", type=int, default=1, help="warm `cbjax generate` runs per variant (median)")
     parser.add_argument("--child", choices=["llm", "generate"], help=argparse.SUPPRESS)
+    parser.add_argument("--flags", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     options = json.loads(args.options)
     if args.child:
-        child(args.model, options) if args.child == "llm" else child_generate(args.model)
+        child(args.model, options) if args.child == "llm" else child_generate(args.model, shlex.split(args.flags))
         return
     result: dict = {"model": args.model, "options": options}
     with tempfile.TemporaryDirectory() as caches:
@@ -120,11 +128,24 @@ def main(argv: list[str] | None = None) -> None:
         for run in ("cold", "warm"):
             stdout, _, total, rss = _run(llm_command, env)
             result[run] = json.loads(stdout.strip().splitlines()[-1]) | {"process_s": round(total, 2), "peak_rss_mb": round(rss)}
-        chat_command = [sys.executable, "-m", "cbjax.bench.startup", "--child", "generate", "--model", args.model]
-        stdout, first_token, total, rss = _run(chat_command, env)
-        *text, counts = stdout.strip().splitlines()
-        result["generate_chat_warm"] = {"first_token_s": round(first_token, 2), "process_s": round(total, 2),
-                                        "peak_rss_mb": round(rss), "text": "\n".join(text)} | json.loads(counts)
+        variants = {"defaults": ""} | ({"against": args.generate_against} if args.generate_against else {})
+        result["generate_chat"] = {name: {"flags": flags, "warm_first_token_s": []} for name, flags in variants.items()}
+        # A first run per variant puts its steps in the cache (the kernel is built by then); then
+        # warm runs alternate between the variants, so both see the same machine.
+        for run in ["cold"] + ["warm"] * args.rounds:
+            for name, flags in variants.items():
+                command = [sys.executable, "-m", "cbjax.bench.startup", "--child", "generate", "--model", args.model,
+                           f"--flags={flags}"]
+                stdout, first_token, total, rss = _run(command, env)
+                *text, counts = stdout.strip().splitlines()
+                entry = result["generate_chat"][name]
+                if run == "cold":
+                    entry["cold_first_token_s"] = round(first_token, 2)
+                else:
+                    entry["warm_first_token_s"].append(round(first_token, 2))
+                    entry |= {"peak_rss_mb": round(rss), "text": "\n".join(text)} | json.loads(counts)
+        for entry in result["generate_chat"].values():
+            entry["warm_first_token_median_s"] = statistics.median(entry["warm_first_token_s"])
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
