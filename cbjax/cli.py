@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--sample-seed", type=int, default=None)
-    p.set_defaults(func=cmd_generate)
+    # One prompt: a step needs at most 2 rows and 128-token prompt chunks; 5 step buckets instead of 10
+    # start it sooner (compile or cache load, and warm-up).
+    p.set_defaults(func=cmd_generate, max_num_seqs=1, max_num_batched_tokens=128)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     add_engine_args(p, model_positional=True)

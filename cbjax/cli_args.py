@@ -23,11 +23,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPU only (default 0.9)")
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpp", "pallas", "pallas_interpret", "xla"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compilation-cache-dir", default=None)
+    parser.add_argument(
+        "--compilation-cache-dir", default="auto",
+        help="persistent compile cache folder; 'auto' = under ~/.cache/cbjax (CBJAX_DISABLE_COMPILE_CACHE=1 turns it off)",
+    )
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (one process)"
     )

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--compilation-cache-dir", default=".jax_cache")
+    parser.add_argument("--compilation-cache-dir", default="auto")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from cbjax.arguments import UNSUPPORTED_LLM_OPTIONS, ArgumentTypeError, check_prompt, describe, reject_unsupported
 from cbjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine, Prompt
@@ -34,6 +35,8 @@ class LLM:
 
     def __init__(self, model: str, **options: Any):
         known = set(EngineConfig.__dataclass_fields__)
+        reject_unsupported("LLM", ((k, v) for k, v in options.items() if k not in known), UNSUPPORTED_LLM_OPTIONS)
+        options = {k: v for k, v in options.items() if k not in UNSUPPORTED_LLM_OPTIONS or k in known}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"LLM() got unsupported options {unknown}; supported: {sorted(known - {'model'})}")
@@ -55,8 +58,18 @@ class LLM:
         """Generate for every prompt with continuous batching; outputs in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ArgumentTypeError(
+                f"prompts must be a str, a dict with 'prompt_token_ids', or a list of them; got {describe(prompts)}"
+            )
+        for index, prompt in enumerate(prompts):
+            check_prompt(prompt, index)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ArgumentTypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {describe(sampling_params)}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
@@ -69,13 +82,13 @@ class LLM:
                 ids.append(str(self._next_id))
                 self._next_id += 1
                 engine.add_request(ids[-1], prompt, params)
-        except ValueError:
-            # One bad prompt rejects the call; the ones already queued are withdrawn, nothing leaks.
+        except ValueError as error:
+            # One bad prompt rejects the call (as in vLLM); the ones already queued are withdrawn, nothing leaks.
             for request_id in ids[:-1]:
                 engine.abort_request(request_id)
             while engine.has_unfinished_requests():
                 engine.step()
-            raise
+            raise type(error)(f"prompt {len(ids) - 1} of {len(prompts)}: {error}; no prompt of this call was run") from error
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -30,13 +30,33 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Times are time.monotonic() seconds."""
+    """Times are time.monotonic() seconds; the latencies are named as vLLM names them, None until known."""
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int
+    num_generation_tokens: int = 0  # output tokens so far
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to first being scheduled."""
+        return _since(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first output token (TTFT)."""
+        return _since(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to finishing (finished_time - arrival_time)."""
+        return _since(self.arrival_time, self.finished_time)
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
 
 
 @dataclasses.dataclass

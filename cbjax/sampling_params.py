@@ -3,16 +3,16 @@
 import enum
 from dataclasses import dataclass
 
+from cbjax.arguments import UNSUPPORTED_SAMPLING_OPTIONS, check_int, check_number, reject_unsupported
+
 MAX_LOGPROBS = 20  # top-N logprobs per token a request may ask for
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 
-
-def _check_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+_check_int = check_int
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
+    check_number(name, value)
     inside_low = value > low if open_low else value >= low
     if not (inside_low and value <= high):  # `not` also rejects NaN
         bracket = "(" if open_low else "["
@@ -123,3 +123,19 @@ class SamplingParams:
         """True when presence, frequency or repetition penalty changes the logits."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+# A field SamplingParams has is supported, whatever the list says.
+_UNSUPPORTED = {k: v for k, v in UNSUPPORTED_SAMPLING_OPTIONS.items() if k not in SamplingParams.__dataclass_fields__}
+
+
+def _init_refusing_unsupported_vllm_options(self, *args, **kwargs) -> None:
+    reject_unsupported("SamplingParams", kwargs.items(), _UNSUPPORTED)
+    _dataclass_init(self, *args, **{k: v for k, v in kwargs.items() if k not in _UNSUPPORTED})
+
+
+# vLLM users pass best_of=..., use_beam_search=...: say those are unsupported, not "unexpected keyword".
+SamplingParams.__init__ = _init_refusing_unsupported_vllm_options

@@ -23,29 +23,38 @@ _lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _register_once() -> None:
-    library = ctypes.cdll.LoadLibrary(str(build()))
+def _register_once() -> str:
+    """Register every kernel under a name that carries the library's build hash; that hash.
+
+    Compiled steps find the target by name, so a step in the persistent compilation cache
+    names the exact kernel build it was compiled with: a rebuilt kernel changes the steps'
+    HLO, hence their cache key, and is never paired with a stale executable.
+    """
+    path = build()
+    build_hash = path.stem.rsplit("_", 1)[-1]
+    library = ctypes.cdll.LoadLibrary(str(path))
     for kernel in KERNELS:
         for suffix in SUFFIXES.values():
             symbol = kernel + suffix
-            jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+            target = f"{symbol}_{build_hash}"
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return build_hash
 
 
 def _target_suffix(k_pages: Array, v_pages: Array) -> str:
-    """The FFI targets' suffix for these pools' dtype, once the pools are checked and the kernel registered."""
+    """The FFI targets' suffix for these pools' dtype and this build, once the pools are checked and the kernel registered."""
     if k_pages.dtype not in SUFFIXES or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
             f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
         )
-    _register()
-    return SUFFIXES[k_pages.dtype]
+    return f"{SUFFIXES[k_pages.dtype]}_{_register()}"
 
 
-def _register() -> None:
-    """Build and register the kernel once per process (buckets are traced from several threads)."""
+def _register() -> str:
+    """Build and register the kernel once per process (buckets are traced from several threads); its build hash."""
     with _lock:
-        _register_once()
+        return _register_once()
 
 
 def kernel_problem() -> str | None:

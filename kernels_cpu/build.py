@@ -1,9 +1,9 @@
 """Compile `paged_attention.cc` into a shared library, once per machine, source and jaxlib.
 
-The library goes to $CBJAX_KERNEL_CACHE (default ~/.cache/cbjax/kernels) under a name hashed
-from the source, the flags, the compiler, jaxlib's version and this CPU's feature flags: a
-change to any of them builds anew, and a folder shared between machines never hands one a
-library built for another's instruction set (`-march=native`). The compiler is $CXX or `c++`.
+The library goes to $CBJAX_KERNEL_CACHE (default: `kernels/` in cbjax's cache folder,
+$CBJAX_CACHE_DIR or ~/.cache/cbjax) under a name hashed from the source, the flags, the
+compiler, jaxlib's version and this CPU's feature flags: a change to any of them builds anew,
+and a folder shared between machines never hands one a library built for another's instruction set (`-march=native`). The compiler is $CXX or `c++`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+
+from cbjax.paths import cache_dir as cbjax_cache_dir
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
 # -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
@@ -29,11 +31,11 @@ class KernelBuildError(RuntimeError):
 
 
 def cache_dir() -> pathlib.Path:
-    """$CBJAX_KERNEL_CACHE, else ~/.cache/cbjax/kernels, else (no writable home) a folder in the temp dir."""
+    """$CBJAX_KERNEL_CACHE, else cbjax's cache folder/kernels, else (no writable home) a folder in the temp dir."""
     if os.environ.get("CBJAX_KERNEL_CACHE"):
         return pathlib.Path(os.environ["CBJAX_KERNEL_CACHE"])
-    home = pathlib.Path.home() / ".cache" / "cbjax" / "kernels"
     try:
+        home = cbjax_cache_dir() / "kernels"
         home.mkdir(parents=True, exist_ok=True)
         if os.access(home, os.W_OK):
             return home
@@ -51,7 +53,8 @@ def compiler() -> str:
     return cxx
 
 
-def _cpu_flags() -> str:
+def cpu_features() -> str:
+    """This CPU's feature flags line from /proc/cpuinfo (empty where there is none)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -67,7 +70,7 @@ def library_path(cxx: str) -> pathlib.Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
-                 _cpu_flags().encode()):
+                 cpu_features().encode()):
         key.update(part)
     return cache_dir() / f"cbjax_paged_attention_{key.hexdigest()[:16]}.so"
 

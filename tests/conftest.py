@@ -1,7 +1,13 @@
-"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU."""
+"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU; no compilation cache."""
+
+import os
 
 import jax
 import pytest
+
+# The tests build many throwaway tiny models: keep their steps out of the user's compilation cache
+# (tests/test_compile_cache.py turns it on in its own processes).
+os.environ.setdefault("CBJAX_DISABLE_COMPILE_CACHE", "1")
 
 
 def has_gpu() -> bool:

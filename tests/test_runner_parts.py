@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from cbjax.engine.buckets import MIN_ROWS, Bucket, compute_buckets, pick_bucket
-from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 
 
@@ -71,21 +70,3 @@ def test_packing_round_trips_ints_and_floats_through_one_buffer():
 def test_packing_refuses_leaves_that_are_not_32_bit():
     with pytest.raises(TypeError, match="32-bit"):
         PackedLayout.of({"x": np.zeros(3, np.int64)})
-
-
-def sizing(**overrides):
-    options = dict(bytes_per_block=1024, block_size=16, max_model_len=256, max_num_seqs=4, num_kv_blocks=None,
-                   kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, device=jax.devices("cpu")[0])
-    return plan_num_blocks(**(options | overrides))
-
-
-def test_pool_size_from_blocks_bytes_or_the_cpu_default():
-    assert sizing(num_kv_blocks=40) == 40
-    assert sizing(kv_cache_memory_bytes=50 * 1024 + 100) == 50
-    # CPU default: capped at what max_num_seqs full-length requests need, plus the null block.
-    assert sizing() == 4 * 256 // 16 + 1
-
-
-def test_pool_too_small_for_one_request_names_the_largest_max_model_len_that_fits():
-    with pytest.raises(ValueError, match="lower max_model_len to at most 144"):
-        sizing(num_kv_blocks=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,11 +44,26 @@ def load_model(
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
     if tensor_parallel is None:
-        return _fill_model(config, model_dtype, params, activation_dtype), config
-    params = tensor_parallel.repeat_kv_heads(params, config)
-    config = tensor_parallel.serving_config(config)
-    place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
-    return _fill_model(config, model_dtype, params, activation_dtype, place), config
+        model = _fill_model(config, model_dtype, params, activation_dtype)
+    else:
+        params = tensor_parallel.repeat_kv_heads(params, config)
+        config = tensor_parallel.serving_config(config)
+        place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
+        model = _fill_model(config, model_dtype, params, activation_dtype, place)
+    release_free_heap()
+    return model, config
+
+
+def release_free_heap() -> None:
+    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
+
+    Restoring a checkpoint leaves the host copies and tensorstore's buffers freed but resident:
+    about 150 MB for SmolLM2's 540 MB of weights, which would count in the engine's footprint.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to release this way
+        pass
 
 
 def _restore_orbax(

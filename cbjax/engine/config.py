@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+
+from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 
 
 @dataclasses.dataclass
@@ -18,7 +21,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size (null block included)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the pool
-    gpu_memory_utilization: float = 0.9  # or a fraction of device memory (GPU)
+    gpu_memory_utilization: float | None = None  # or a fraction of device memory (GPU; None = 0.9)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None  # defaults to 512 chunked, else max_model_len
     # Most requests that compute a prompt chunk (2+ tokens) in one step; the others' chunks wait a
@@ -27,10 +30,22 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20
-    compilation_cache_dir: str | None = None  # persistent XLA compilation cache
+    # Persistent XLA compilation cache: "auto" = under cache_dir() (one folder per jax version and
+    # machine), a folder, or None = off (as is CBJAX_DISABLE_COMPILE_CACHE=1).
+    compilation_cache_dir: str | None = "auto"
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("int", "int | None") and value is not None:
+                check_int(field.name, value)
+            elif field.type == "float | None" and value is not None:
+                check_number(field.name, value)
+            elif field.type in ("str", "str | None") and isinstance(value, os.PathLike):
+                setattr(self, field.name, os.fspath(value))
+            elif field.type in ("str", "str | None") and value is not None and not isinstance(value, str):
+                raise ArgumentTypeError(f"{field.name} must be a str, got {describe(value)}")
         positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
@@ -45,7 +60,7 @@ class EngineConfig:
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")

@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 import jax
+from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import ModelConfig
 from cbjax.engine.block_manager import BlockManager
+from cbjax.engine.compile_cache import enable_compile_cache
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
@@ -37,10 +39,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, precompile: bool = True, progress: bool = True):
         self.config = config
         config.model = str(resolve_model(config.model))
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         device = jax.devices()[0]
+        enable_compile_cache(config.compilation_cache_dir, device)
         dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
         # XLA:CPU has fast bf16 x bf16 -> f32 dots but slow bf16 arithmetic otherwise: on CPU,
         # 16-bit weights keep float32 activations and a float32 KV pool.
@@ -78,6 +78,7 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
+            weights_bytes=sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model))),
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)

@@ -116,5 +116,6 @@ class OutputProcessor:
                 first_token_time=request.first_token_time,
                 finished_time=request.finished_time,
                 num_preemptions=request.num_preemptions,
+                num_generation_tokens=request.num_output_tokens,
             ),
         )

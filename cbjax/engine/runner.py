@@ -203,21 +203,24 @@ class ModelRunner:
     def precompile(self, progress: bool = True) -> None:
         """Compile every bucket now, so that serving never compiles.
 
-        XLA compiles outside the GIL, so buckets compile on all cores at once.
+        XLA compiles outside the GIL, so buckets compile on all cores at once. They are traced
+        one after another first: tracing in parallel threads made the HLO differ from run to run
+        (a constant shared by the layers was sometimes built twice), so the persistent
+        compilation cache missed.
         """
         logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
-
+        lowered = {bucket: self._lower(bucket) for bucket in self.buckets}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {pool.submit(self._compile, bucket): bucket for bucket in self.buckets}
+            futures = {pool.submit(lowered[bucket].compile): bucket for bucket in self.buckets}
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
                 self.compiled[futures[future]] = future.result()
         self.warm_up()
 
-    def _compile(self, bucket: Bucket) -> Any:
+    def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         return self._step_fn(bucket, self.backend).lower(
             self.weights, self.kv_caches, self.penalty_state, self._packed_struct(bucket)
-        ).compile()
+        )
 
     def _executable(self, bucket: Bucket) -> Any:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
@@ -232,7 +235,7 @@ class ModelRunner:
                     len(self.buckets),
                 )
             logger.info("compiling step bucket %s on demand", bucket)
-            compiled = self.compiled[bucket] = self._compile(bucket)
+            compiled = self.compiled[bucket] = self._lower(bucket).compile()
         return compiled
 
     def warm_up(self) -> None:
@@ -257,7 +260,7 @@ class ModelRunner:
         not depend on the pool's size (the pool is donated and updated in place).
         """
         largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
-        return max(self._compile(b).memory_analysis().temp_size_in_bytes for b in largest)
+        return max(self._lower(b).compile().memory_analysis().temp_size_in_bytes for b in largest)
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""

@@ -1,0 +1,69 @@
+"""Argument checks shared by the public API: wrong types and vLLM options cbjax lacks, said plainly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A wrong type; also a ValueError, so `except ValueError` around bad input still catches it."""
+
+
+# vLLM options cbjax does not implement, with vLLM's default (passing the default changes nothing).
+UNSUPPORTED_SAMPLING_OPTIONS = {
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    "logits_processors": None, "guided_decoding": None, "structured_outputs": None, "logit_bias": None,
+    "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+}
+UNSUPPORTED_LLM_OPTIONS = {
+    "quantization": None, "trust_remote_code": False, "revision": None, "tokenizer_revision": None,
+    "download_dir": None, "load_format": "auto", "pipeline_parallel_size": 1, "enforce_eager": False,
+    "cpu_offload_gb": 0, "swap_space": 4, "speculative_config": None, "hf_overrides": None,
+    "enable_lora": False, "tokenizer_mode": "auto", "skip_tokenizer_init": False,
+}
+
+
+def describe(value: Any) -> str:
+    """`123 (int)`, `'hot' (str)`: what was given and its type."""
+    shown = repr(value)
+    return f"{shown if len(shown) <= 100 else shown[:100] + '...'} ({type(value).__name__})"
+
+
+def check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name} must be a number (int or float), got {describe(value)}")
+
+
+def check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be an int, got {describe(value)}")
+
+
+def reject_unsupported(where: str, options: Iterable[tuple[str, Any]], unsupported: dict[str, Any]) -> None:
+    """Refuse vLLM options cbjax lacks unless they are given at vLLM's default (which changes nothing)."""
+    for name, value in options:
+        if name in unsupported and value != unsupported[name]:
+            raise ValueError(
+                f"{where}({name}={value!r}) is a vLLM option that cbjax does not support; "
+                f"leave it out (or at vLLM's default, {unsupported[name]!r})"
+            )
+
+
+def check_prompt(prompt: Any, index: int) -> None:
+    """A prompt is a str or a dict with 'prompt_token_ids' (a list of ints); say which one is not."""
+    where = f"prompt {index}"
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+        raise ArgumentTypeError(
+            f"{where} must be a str or a dict with 'prompt_token_ids', got {describe(prompt)}"
+        )
+    token_ids = prompt["prompt_token_ids"]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise ArgumentTypeError(f"{where}: prompt_token_ids must be a list of ints, got {describe(token_ids)}")
+    for position, token_id in enumerate(token_ids):
+        if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+            raise ArgumentTypeError(
+                f"{where}: prompt_token_ids must be a list of ints; item {position} is {describe(token_id)}"
+            )

@@ -1,0 +1,92 @@
+"""The persistent compilation cache: on by default, and a new process with the same options compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax.engine.compile_cache import DISABLE_ENV, compile_cache_folder
+from kernels_cpu import build as kernel_build
+from kernels_cpu.attention import write_kv_and_attend_cpu
+from kernels_pallas.reference import AttentionMetadata
+
+REPO = Path(__file__).resolve().parents[1]
+
+# One engine in a fresh process: its XLA compiles (as JAX's own cache events count them) and its greedy tokens.
+CHILD = """
+import json, sys
+import jax
+events = {}
+jax.monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
+from cbjax import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8)
+out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)
+requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
+print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/compilation_cache/cache_hits", 0),
+                  "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+def run_engine_process(checkpoint: Path, cache: Path) -> dict:
+    env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env.pop(DISABLE_ENV, None)
+    result = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_second_engine_in_a_new_process_compiles_nothing(tmp_path):
+    _, checkpoint = make_tiny_checkpoint(tmp_path)
+    first = run_engine_process(checkpoint, tmp_path / "cache")
+    assert first["compiles"] >= 3, "the first process should compile every step bucket into the default cache"
+    second = run_engine_process(checkpoint, tmp_path / "cache")
+    assert second["requests"] == first["requests"]
+    assert second["compiles"] == 0
+    assert second["tokens"] == first["tokens"]
+    assert list((tmp_path / "cache" / "xla").iterdir()), "the default cache lives under CBJAX_CACHE_DIR/xla"
+
+
+def test_cache_is_on_by_default_and_off_by_none_or_the_env_flag(tmp_path, monkeypatch):
+    device = jax.devices()[0]
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    auto = compile_cache_folder("auto", device)
+    assert auto.parent == tmp_path / "xla"
+    assert compile_cache_folder(str(tmp_path / "mine"), device) == tmp_path / "mine"
+    assert compile_cache_folder(None, device) is None
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert compile_cache_folder("auto", device) is None
+
+
+def test_default_folder_changes_with_the_cpu_features(tmp_path, monkeypatch):
+    """JAX's key does not cover the CPU's instruction set; the folder must, for caches shared between machines."""
+    device = jax.devices()[0]
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    here = compile_cache_folder("auto", device)
+    monkeypatch.setattr("cbjax.engine.compile_cache.cpu_features", lambda: "flags : fpu sse2")
+    assert compile_cache_folder("auto", device) != here
+
+
+def test_compiled_steps_name_the_kernel_build_they_call():
+    """A rebuilt kernel changes the steps' HLO (so their cache key): its build hash is in the FFI target name."""
+    build_hash = kernel_build.library_path(kernel_build.compiler()).stem.rsplit("_", 1)[-1]
+    pool = jax.ShapeDtypeStruct((1, 4, 8, 16), jnp.float32)
+    new = jax.ShapeDtypeStruct((2, 1, 16), jnp.float32)
+    metadata = AttentionMetadata(
+        slot_mapping=jax.ShapeDtypeStruct((2,), jnp.int32),
+        query_start_loc=jax.ShapeDtypeStruct((3,), jnp.int32),
+        seq_lens=jax.ShapeDtypeStruct((2,), jnp.int32),
+        block_tables=jax.ShapeDtypeStruct((2, 2), jnp.int32),
+    )
+    hlo = jax.jit(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=0.25)).lower(new, new, new, pool, pool, metadata).as_text()
+    assert f"CbjaxWriteKvAttentionF32_{build_hash}" in hlo
