@@ -47,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (the first completion's)

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20
     compilation_cache_dir: str | None = None  # persistent XLA compilation cache
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

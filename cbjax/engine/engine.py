@@ -13,6 +13,7 @@ from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
+from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids, shares_prompt
 from cbjax.engine.request import Request, RequestStatus
 from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
@@ -68,7 +69,7 @@ class LLMEngine:
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -78,8 +79,9 @@ class LLMEngine:
             max_num_prefills=config.max_num_prefills,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests: dict[str, Request] = {}
-        self.aborted: list[Request] = []
+        self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
+        self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
+        self.aborted: list[ParentRequest] = []
         self.num_steps = 0
         if precompile:
             start = time.perf_counter()
@@ -95,22 +97,27 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; bad input raises ValueError and leaves the engine as it was."""
+        """Queue a request (n > 1: one child request per completion); bad input raises ValueError
+        and leaves the engine as it was."""
         params = sampling_params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        child_ids = child_request_ids(request_id, params.n)
+        in_use = [i for i in [request_id, *child_ids] if i in self.requests or i in self.parents]
+        if in_use:
+            raise ValueError(f"request_id {in_use[0]!r} is already in use; give each request a unique id")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        )
-        self.requests[request_id] = request
-        self.output_processor.add_request(request, text)
-        self.scheduler.add_request(request)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        children = [
+            Request(child_id, token_ids, child_params(params, index), self.eos_token_ids, arrival_time)
+            for index, child_id in enumerate(child_ids)
+        ]
+        parent = ParentRequest(request_id, children)
+        self.requests[request_id] = parent
+        wait_for = children[0] if shares_prompt(params, self.config.enable_prefix_caching) else None
+        for child in children:
+            self.parents[child.request_id] = parent
+            self.output_processor.add_request(child, text)
+            self.scheduler.add_request(child, wait_for if child is not children[0] else None)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -156,9 +163,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its output so far comes back from the next step() with reason "abort"."""
-        request = self.scheduler.abort_request(request_id)
-        if request is not None:
-            self.aborted.append(request)
+        parent = self.requests.get(request_id)
+        if parent is None:
+            return
+        aborted = [self.scheduler.abort_request(child.request_id) for child in parent.children]
+        if any(aborted):
+            self.aborted.append(parent)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.aborted)
@@ -167,7 +177,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one device step, record the tokens: the outputs of requests that progressed."""
-        outputs = [self._finish_output(request) for request in self.aborted]
+        outputs = [self._finish_output(parent) for parent in self.aborted]
         self.aborted = []
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
@@ -175,6 +185,7 @@ class LLMEngine:
         sampled = self.runner.execute(scheduled)
         self.num_steps += 1
         self.scheduler.update(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        progressed: dict[str, ParentRequest] = {}
         for row in scheduled.scheduled:
             request = row.request
             if request.request_id not in sampled:
@@ -183,12 +194,21 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
-            outputs.append(self._finish_output(request) if request.is_finished else self.output_processor.make_output(request))
+            parent = self.parents[request.request_id]
+            progressed[parent.request_id] = parent
+        for parent in progressed.values():
+            outputs.append(self._finish_output(parent) if parent.finished else self.output_processor.make_output(parent))
         return outputs
 
-    def _finish_output(self, request: Request) -> RequestOutput:
-        del self.requests[request.request_id]
-        return self.output_processor.make_output(request)
+    def _finish_output(self, parent: ParentRequest) -> RequestOutput:
+        del self.requests[parent.request_id]
+        for child in parent.children:
+            del self.parents[child.request_id]
+        return self.output_processor.make_output(parent)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (and nothing done) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, Any]:
         return {
@@ -198,6 +218,9 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "prefix_cache_queries": self.block_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.block_manager.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.block_manager.prefix_cache_hits / max(1, self.block_manager.prefix_cache_queries),
             "attention_backend": self.backend,
             "buckets": len(self.runner.buckets),
         }

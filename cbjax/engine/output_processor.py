@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
 from cbjax.engine.runner import SampledToken
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -67,12 +68,27 @@ class OutputProcessor:
             entry[sampled.token_id] = Logprob(sampled.logprob, None, decoded)
         return entry
 
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, parent: ParentRequest) -> RequestOutput:
+        """One output per submitted request: a completion per child, index = its place among them."""
+        first = parent.children[0]
+        output = RequestOutput(
+            request_id=parent.request_id,
+            prompt=self.texts[first.request_id].prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[self._completion(child, index) for index, child in enumerate(parent.children)],
+            finished=parent.finished,
+            metrics=_metrics(parent.children),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        if parent.finished:
+            for child in parent.children:
+                del self.texts[child.request_id]
+        return output
+
+    def _completion(self, request: Request, index: int) -> CompletionOutput:
         state = self.texts[request.request_id]
-        if request.is_finished:
-            del self.texts[request.request_id]
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=state.text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
@@ -80,17 +96,16 @@ class OutputProcessor:
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
         )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.is_finished,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=request.first_scheduled_time,
-                first_token_time=request.first_token_time,
-                finished_time=request.finished_time,
-                num_preemptions=request.num_preemptions,
-            ),
-        )
+
+
+def _metrics(children: list[Request]) -> RequestMetrics:
+    """The request's times: its first child scheduled and token, its last child finished."""
+    first = lambda times: min((t for t in times if t is not None), default=None)  # noqa: E731
+    finished = [child.finished_time for child in children]
+    return RequestMetrics(
+        arrival_time=children[0].arrival_time,
+        first_scheduled_time=first(child.first_scheduled_time for child in children),
+        first_token_time=first(child.first_token_time for child in children),
+        finished_time=None if None in finished else max(finished),
+        num_preemptions=sum(child.num_preemptions for child in children),
+    )
