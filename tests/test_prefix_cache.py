@@ -6,25 +6,13 @@ block, fails at once; its next token is a function of all its tokens, so every r
 is known without running any scheduler (the independent expectation).
 """
 
-from dataclasses import dataclass, field
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.request import Request
 from cbjax.engine.scheduler import Scheduler, SchedulerOutput
-
-
-@dataclass
-class Params:
-    """The SamplingParams fields the scheduler and block manager read."""
-
-    max_tokens: int | None = 4
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = True
-    has_penalties: bool = False
+from test_scheduler import Params
 
 
 def make_request(request_id: str, tokens: list[int], **params) -> Request:
