@@ -117,7 +117,8 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     runs, series = [], {}
     for repeat in range(args.repeats):  # interleaved, so drifting machine load hits every variant alike
         for scheduling in args.scheduling:
-            for caching in args.prefix_caching:
+            # A B, then B A: machine load drifting over a repeat hits both variants alike.
+            for caching in args.prefix_caching if repeat % 2 == 0 else reversed(args.prefix_caching):
                 variant = scheduling if len(args.prefix_caching) == 1 else f"{scheduling} caching-{caching}"
                 set_prefix_caching(engine, caching == "on")
                 result = run_throughput(recorder, requests, scheduling, label=f"{variant}{repeat}")
