@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from cbjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine, Prompt
 from cbjax.outputs import RequestOutput
@@ -92,6 +93,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best params.beam_width sequences per prompt (see cbjax.beam_search)."""
+        return beam_search(self, prompts, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -59,3 +59,13 @@ def test_goodput_specs_parse_like_vllm_and_reject_unknown_names():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="NAME:MILLISECONDS"):
         parse_goodput(["latency:5"])
+
+
+def test_latencies_in_ms_for_plots_skip_failed_requests():
+    from cbjax.bench.metrics import latencies_ms
+
+    got = latencies_ms([A, B, C])
+    assert got["ttft"] == pytest.approx([100.0, 500.0])
+    assert got["tpot"] == pytest.approx([250.0])  # B has one token
+    assert got["itl"] == pytest.approx([200.0, 300.0])
+    assert got["e2el"] == pytest.approx([600.0, 500.0])

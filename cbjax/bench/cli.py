@@ -159,23 +159,17 @@ def set_prefix_caching(engine, enabled: bool) -> None:
 
 def serve_once(recorder, requests, offsets, max_concurrency, percentiles, slos, label: str):
     """One serve run: (the result dict, the request timelines)."""
-    from cbjax.bench.metrics import serving_metrics
+    from cbjax.bench.metrics import latencies_ms, serving_metrics
     from cbjax.bench.recorder import step_series, step_summary
     from cbjax.bench.serve import run_serve
 
     preemptions = recorder.engine.scheduler.num_preemptions
     timelines, duration = run_serve(recorder, requests, offsets, max_concurrency, label=label)
     metrics = serving_metrics(timelines, duration, percentiles, slos)
-    completed = [t for t in timelines if t.success and t.output_len]
     result = {
         **metrics,
         **step_summary(recorder.records, recorder.engine.scheduler.num_preemptions - preemptions),
-        "latencies_ms": {
-            "ttft": [1000 * t.ttft for t in completed],
-            "tpot": [1000 * t.tpot for t in completed if t.output_len > 1],
-            "itl": [1000 * x for t in completed for x in t.itls],
-            "e2el": [1000 * t.latency for t in completed],
-        },
+        "latencies_ms": latencies_ms(timelines),
         "steps": step_series(recorder.records),
     }
     return result, timelines
@@ -188,6 +182,62 @@ SERVE_KEYS = [
 ]
 
 
+def print_serve_result(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    print(f"============ Serving Benchmark Result (rate {args.request_rate}, burstiness {args.burstiness}) ============")
+    for key, value in result.items():
+        if not isinstance(value, (dict, list)):
+            print(f"{key:<32} {fmt(value)}")
+
+
+def vocab_size_of(model: str) -> int:
+    """The vocabulary size in a local model directory's config.json (for the synthetic prompts' token ids)."""
+    config = pathlib.Path(model) / "config.json"
+    if not config.exists():
+        raise SystemExit(f"--vocab-size is needed: the model {model!r} is not a local directory with a config.json to read it from")
+    return json.loads(config.read_text())["vocab_size"]
+
+
+def cmd_serve_http(args: argparse.Namespace, percentiles: list[float], slos: dict[str, float]) -> None:
+    """Client mode: streaming requests to an OpenAI-compatible server at --base-url."""
+    import asyncio
+
+    from cbjax.bench.dataset import arrival_offsets, random_requests
+    from cbjax.bench.metrics import serving_metrics
+    from cbjax.bench.serve_client import drive_server, served_model_name
+
+    base_url = args.base_url.rstrip("/")
+    model = args.model or served_model_name(base_url)
+    vocab = args.vocab_size or vocab_size_of(model)
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.dataset_seed)
+    extra_body = {"temperature": args.temperature}
+    timelines, errors, duration = asyncio.run(
+        drive_server(base_url, model, requests, offsets, args.max_concurrency, extra_body)
+    )
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai", "endpoint_type": "openai",
+        "base_url": base_url, "model_id": model, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        **serving_metrics(timelines, duration, percentiles, slos),
+        # vLLM's per-request lists, in seconds
+        "input_lens": [t.prompt_len for t in timelines],
+        "output_lens": [t.output_len if t.success else 0 for t in timelines],
+        "ttfts": [t.ttft if t.success else 0.0 for t in timelines],
+        "itls": [t.itls if t.success else [] for t in timelines],
+        "latencies": [t.latency if t.success else 0.0 for t in timelines],
+        "errors": [error or "" for error in errors],
+    }
+    print_serve_result(args, result)
+    if result["failed"]:
+        print("first error:", next(e for e in errors if e))
+    write_json(args.result_json, result)
+    if args.plot:
+        from cbjax.bench.metrics import latencies_ms
+        from cbjax.bench.plots import plot_latency_cdfs
+
+        print("plots:", *plot_latency_cdfs(pathlib.Path(args.plot), {model: latencies_ms(timelines)}))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from cbjax.bench.dataset import arrival_offsets
     from cbjax.bench.metrics import parse_goodput
@@ -195,16 +245,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     slos = parse_goodput(args.goodput or [])
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    if args.base_url:
+        return cmd_serve_http(args, percentiles, slos)
+    if not args.model:
+        raise SystemExit("cbjax bench serve needs --model CHECKPOINT (in process) or --base-url URL (a running server)")
     engine = build_engine(args)
     requests = synthetic_requests(args, engine.model_config.vocab_size)
     offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.dataset_seed)
     recorder = StepRecorder(engine)
     warm_up(recorder)
     result, _ = serve_once(recorder, requests, offsets, args.max_concurrency, percentiles, slos, "serve")
-    print(f"============ Serving Benchmark Result (rate {args.request_rate}, burstiness {args.burstiness}) ============")
-    for key, value in result.items():
-        if not isinstance(value, (dict, list)):
-            print(f"{key:<32} {fmt(value)}")
+    print_serve_result(args, result)
     write_json(args.result_json, result | environment(args))
     if args.plot:
         from cbjax.bench.plots import plot_latency_cdfs, plot_steps
@@ -232,8 +283,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(p)
     p.set_defaults(func=cmd_throughput)
 
-    p = sub.add_parser("serve", help="requests arriving in real time against the in-process engine (vLLM bench serve metrics)")
+    p = sub.add_parser(
+        "serve", help="requests arriving in real time: the in-process engine, or any OpenAI-compatible server with --base-url"
+    )
     add_engine_args(p)
+    model = next(action for action in p._actions if action.dest == "model")
+    model.required = False  # with --base-url it is the served model's name, and optional
+    model.help = "in process: the converted checkpoint; with --base-url: the served model name (default: the first in /v1/models)"
+    p.add_argument("--base-url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vllm serve, cbjax serve)")
+    p.add_argument("--vocab-size", type=int, default=None, help="with --base-url: prompt token ids below this (default: from --model's config.json)")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --base-url: sent in every request")
     add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")

@@ -31,12 +31,15 @@ class RequestTimeline:
 
     prompt_len: int
     send_time: float
-    token_times: list[float] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)  # or streamed chunks' arrival times
     success: bool = True
+    # A server's usage count, when one streamed chunk may carry several tokens (vLLM counts tokens
+    # from `usage` and times ITLs per chunk); None: one token per entry of token_times.
+    num_output_tokens: int | None = None
 
     @property
     def output_len(self) -> int:
-        return len(self.token_times)
+        return len(self.token_times) if self.num_output_tokens is None else self.num_output_tokens
 
     @property
     def ttft(self) -> float:
@@ -127,3 +130,14 @@ def serving_metrics(
     result |= summarize("itl", [itl for t in completed for itl in t.itls], percentiles)
     result |= summarize("e2el", [t.latency for t in completed], percentiles)
     return result
+
+
+def latencies_ms(timelines: Sequence[RequestTimeline]) -> dict[str, list[float]]:
+    """Every completed request's TTFT, TPOT, E2EL and every ITL, in ms (for CDF plots and the result JSON)."""
+    completed = [t for t in timelines if t.success and t.output_len]
+    return {
+        "ttft": [1000 * t.ttft for t in completed],
+        "tpot": [1000 * t.tpot for t in completed if t.output_len > 1],
+        "itl": [1000 * x for t in completed for x in t.itls],
+        "e2el": [1000 * t.latency for t in completed],
+    }

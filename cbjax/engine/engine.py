@@ -190,9 +190,14 @@ class LLMEngine:
             request = row.request
             if request.request_id not in sampled:
                 continue
-            stop = self.output_processor.process_token(request, sampled[request.request_id])
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            # update() already decided EOS / stop token ids / length, so the text can leave a stop token out.
+            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+            stop = self.output_processor.process_token(request, sampled[request.request_id], stop_terminated)
+            if stop is not None:
+                if request.is_finished:
+                    request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
             parent = self.parents[request.request_id]
             progressed[parent.request_id] = parent

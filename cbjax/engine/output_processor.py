@@ -37,16 +37,23 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
         )
 
-    def process_token(self, request: Request, sampled: SampledToken) -> str | None:
-        """Record the request's newest token; the stop string it completed, if any."""
+    def process_token(self, request: Request, sampled: SampledToken, stop_terminated: bool) -> str | None:
+        """Record the request's newest token; the stop string it completed, if any.
+
+        vLLM's rules: a token that ended the request as EOS or a stop token id (`stop_terminated`)
+        keeps its logprob but adds no text unless include_stop_str_in_output; stop strings are
+        matched only once more than min_tokens output tokens exist.
+        """
         state = self.texts[request.request_id]
         params = request.sampling_params
         state.cumulative_logprob += sampled.logprob
         if state.logprobs is not None:
             state.logprobs.append(self._logprobs(sampled))
+        if stop_terminated and not params.include_stop_str_in_output:
+            return None
         delta = state.detokenizer.add_tokens([sampled.token_id])
         state.text += delta
-        if not params.stop or not delta:
+        if not params.stop or not delta or request.num_output_tokens <= params.min_tokens:
             return None
         # Only a window around the new text can hold a stop string that was not there before.
         window_start = max(0, len(state.text) - len(delta) - max(map(len, params.stop)) + 1)
@@ -87,9 +94,13 @@ class OutputProcessor:
 
     def _completion(self, request: Request, index: int) -> CompletionOutput:
         state = self.texts[request.request_id]
+        params, text = request.sampling_params, state.text
+        if not request.is_finished and params.stop and not params.include_stop_str_in_output:
+            # As vLLM streams: hold back the characters that may yet begin a stop string.
+            text = text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
         return CompletionOutput(
             index=index,
-            text=state.text,
+            text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

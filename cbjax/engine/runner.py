@@ -87,6 +87,7 @@ class ModelRunner:
         self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
+        self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
 
@@ -158,6 +159,22 @@ class ModelRunner:
 
     def _compile(self, bucket: Bucket) -> Any:
         return self._step_fn(bucket, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(bucket)).compile()
+
+    def _executable(self, bucket: Bucket) -> Any:
+        """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
+        compiled = self.compiled.get(bucket)
+        if compiled is None:
+            if not self._warned_on_demand:
+                self._warned_on_demand = True
+                logger.warning(
+                    "the engine was built with precompile=False: each step shape is compiled the first time "
+                    "it is needed, and serving stalls while it compiles (seconds per shape); "
+                    "keep precompile=True (the default) to compile all %d shapes at start-up",
+                    len(self.buckets),
+                )
+            logger.info("compiling step bucket %s on demand", bucket)
+            compiled = self.compiled[bucket] = self._compile(bucket)
+        return compiled
 
     def warm_up(self) -> None:
         """Run every compiled step once on a one-token request that lives in the null block.
@@ -251,7 +268,7 @@ class ModelRunner:
         """Run one step; the sampled token of every request that samples in it."""
         bucket, inputs = self.prepare(scheduled)
         packed = pack(inputs)
-        self.kv_caches, result = self.compiled[bucket](self.weights, self.kv_caches, packed)
+        self.kv_caches, result = self._executable(bucket)(self.weights, self.kv_caches, packed)
         out: SamplerOutput = unpack_host(np.asarray(result), self._out_layouts[bucket])
         sampled = {}
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
