@@ -6,9 +6,12 @@ block, fails at once; its next token is a function of all its tokens, so every r
 is known without running any scheduler (the independent expectation).
 """
 
+import argparse
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cbjax.cli_args import add_engine_args, engine_options
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.request import Request
 from cbjax.engine.scheduler import Scheduler, SchedulerOutput
@@ -261,3 +264,10 @@ def test_caching_changes_no_output_under_preemption_eviction_and_aborts(case):
                     assert outputs[request_id] == want, request_id
             if spec["abort_step"] is None:
                 assert request_id in cached and request_id in uncached
+
+
+def test_prefix_caching_flags_follow_vllm():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in [([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)]:
+        assert engine_options(parser.parse_args(["--model", "m", *flags]))["enable_prefix_caching"] is expected
