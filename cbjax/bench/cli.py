@@ -201,14 +201,14 @@ def cmd_serve_http(args: argparse.Namespace, percentiles: list[float], slos: dic
     """Client mode: streaming requests to an OpenAI-compatible server at --base-url."""
     import asyncio
 
-    from cbjax.bench.dataset import arrival_offsets, random_requests
+    from cbjax.bench.dataset import arrival_offsets
     from cbjax.bench.metrics import serving_metrics
     from cbjax.bench.serve_client import drive_server, served_model_name
 
     base_url = args.base_url.rstrip("/")
     model = args.model or served_model_name(base_url)
     vocab = args.vocab_size or vocab_size_of(model)
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+    requests = synthetic_requests(args, vocab)
     offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.dataset_seed)
     extra_body = {"temperature": args.temperature}
     timelines, errors, duration = asyncio.run(
