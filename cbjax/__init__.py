@@ -1,14 +1,17 @@
 """cbjax: continuous batching over a paged KV cache, in JAX, with Pallas attention kernels."""
 
 from cbjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from cbjax.engine.async_llm import AsyncLLM
 from cbjax.engine.config import EngineConfig
 from cbjax.llm import LLM
 from cbjax.outputs import CompletionOutput, RequestOutput
-from cbjax.sampling_params import SamplingParams
+from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
+    "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",

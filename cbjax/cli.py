@@ -1,4 +1,4 @@
-"""`cbjax convert | import-gguf | generate | lower | bench`."""
+"""`cbjax convert | import-gguf | generate | serve | lower | plan | bench`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import logging
 import sys
 
 from cbjax.bench.cli import add_bench_parser
-from cbjax.cli_args import add_engine_args, engine_options
+from cbjax.cli_args import add_engine_args, add_serve_args, engine_options
+from cbjax.plan_cli import add_plan_parser
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -47,6 +48,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             printed = len(text)
     sys.stdout.write("\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from cbjax.entrypoints.openai.server import cmd_serve as serve
+
+    serve(args)
 
 
 def cmd_lower(args: argparse.Namespace) -> None:
@@ -92,12 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    add_engine_args(p, model_positional=True)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("lower", help="lower every bucketed step for another platform (no device needed)")
     add_engine_args(p)
     p.add_argument("--platform", default="cuda")
     p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
     p.set_defaults(func=cmd_lower)
 
+    add_plan_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """The engine options every serving command takes (vLLM's flag names)."""
-    parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
+    if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
+        parser.add_argument("model", nargs="?", default=None,
+                            help="converted checkpoint or Hugging Face directory (default: built-in SmolLM2)")
+    else:
+        parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -37,3 +41,16 @@ def engine_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir enable_prefix_caching"
     ).split()
     return {name: getattr(args, name) for name in names}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    parser.add_argument("--api-key", default=None,
+                        help="demand 'Authorization: Bearer KEY' on /v1/* (default $CBJAX_API_KEY)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="answer 503 + Retry-After once this many requests wait (default: no limit)")
+    parser.add_argument("--max-request-bytes", type=int, default=10 * 2**20, help="413 for larger request bodies")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")

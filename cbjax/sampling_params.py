@@ -1,5 +1,6 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names and meanings)."""
 
+import enum
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # top-N logprobs per token a request may ask for
@@ -16,6 +17,14 @@ def _check_range(name: str, value: float, low: float, high: float, *, open_low: 
     if not (inside_low and value <= high):  # `not` also rejects NaN
         bracket = "(" if open_low else "["
         raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per token, plus the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # applied by AsyncLLM's streams
 
     def __post_init__(self) -> None:
         self._validate()
@@ -83,6 +93,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self._validate_stops()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -1,4 +1,4 @@
-"""`cbjax bench throughput | serve | prefill-stall | kv-capacity`: the benchmark commands."""
+"""`cbjax bench throughput | serve | prefill-stall | kv-capacity | host`: the benchmark commands."""
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, prefill-stall, kv-capacity")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, prefill-stall, kv-capacity, host")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = sub.add_parser("throughput", help="offline synthetic requests; continuous vs static batching")
@@ -303,5 +303,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
     from cbjax.bench.experiments import add_experiment_parsers
+    from cbjax.bench.host import add_host_parser
 
     add_experiment_parsers(sub)
+    add_host_parser(sub)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import jax
 
 from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.resolve import resolve_model
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
@@ -33,6 +35,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, precompile: bool = True, progress: bool = True):
         self.config = config
+        config.model = str(resolve_model(config.model))
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -81,8 +84,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
         self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
-        self.aborted: list[ParentRequest] = []
+        # Abort ids may arrive from any thread; deque appends and pops are atomic, and step() applies
+        # them between device steps, so an abort never lands inside a step.
+        self.pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
+        self.last_step_num_tokens = 0  # tokens the latest step computed (prompt chunks + decodes)
         if precompile:
             start = time.perf_counter()
             self.runner.precompile(progress=progress)
@@ -162,24 +168,26 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its output so far comes back from the next step() with reason "abort"."""
-        parent = self.requests.get(request_id)
-        if parent is None:
-            return
-        aborted = [self.scheduler.abort_request(child.request_id) for child in parent.children]
-        if any(aborted):
-            self.aborted.append(parent)
+        """Stop a request (safe from any thread); its output so far comes back from the next step()
+        with reason "abort". Unknown or finished ids are ignored."""
+        self.pending_aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self.pending_aborts)
 
     # ---- the loop -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one device step, record the tokens: the outputs of requests that progressed."""
-        outputs = [self._finish_output(parent) for parent in self.aborted]
-        self.aborted = []
+        outputs = []
+        while self.pending_aborts:
+            parent = self.requests.get(self.pending_aborts.popleft())
+            if parent is not None:
+                for child in parent.children:
+                    self.scheduler.abort_request(child.request_id)
+                outputs.append(self._finish_output(parent))
         scheduled = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduled.num_scheduled_tokens
         if not scheduled.scheduled:
             return outputs
         sampled = self.runner.execute(scheduled)

@@ -1,0 +1,148 @@
+"""`cbjax bench host`: the engine's host time per step against a device whose step costs a fixed time.
+
+    cbjax bench host --model checkpoints/smollm2-135m-instruct --result-json bench_results/host.json
+
+The real engine (scheduler, block manager, packing, sampler inputs, the jitted call, output
+processing, detokenization, stop strings) runs against the stand-in device of
+`standin_device.py`: every step takes `--delays-ms` on the device and nothing on the host's
+thread. Requests all start together (prompt: the first --prompt-len tokens of a passage; output:
+the passage continued, --output-len tokens, ignore_eos) and are measured over the steps where all
+--num-running of them decode. From the device's own timeline, per step:
+- wall: from one step's start on the device to the next one's;
+- host critical path: from one step's end to the next one's start, the time the device waits
+  for the host (in the synchronous loop: all the host's work of a step; hidden work is not in it).
+  It includes the wake lag, how late a host thread waiting for a result noticed it was ready
+  (the machine's scheduling, not cbjax's work); host work is the critical path without it;
+- host CPU: the process's CPU time from one launch to the next, less what waiting took (all the
+  host's work of a step, hidden or not): on a shared, loaded machine it moves far less than wall
+  times do.
+Runs repeat (--repeats) interleaved; `medians` gives each setting's median over the repeats.
+Variants: greedy alone; + penalties (presence, frequency, repetition: the token history is packed);
++ stop strings (checked on the text every step, never found, so every request runs to the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from cbjax.bench.cli import environment, print_table, write_json
+from cbjax.cli_args import add_engine_args, engine_options
+
+PASSAGE = (
+    "The river begins as snow on the high peaks, melts in the spring sun and gathers in small streams "
+    "that run between the rocks. By the time it reaches the valley it is wide and slow, and the farmers "
+    "along its banks have used it for as long as anyone can remember: to water the fields, to turn the "
+    "mills, to carry grain and timber down to the towns on the coast. In the dry years the water drops "
+    "and the old stones of forgotten bridges show again; in the wet years it rises over the meadows and "
+    "leaves a layer of fine silt that makes the next harvest rich. Children learn to swim in its quiet "
+    "bends, and old men sit on the piers in the evening and talk about the floods of their youth."
+)
+STOP_STRINGS = ["\nUser:", "</answer>"]  # not in PASSAGE: checked every step, never found
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
+            "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
+SETTING = ["max_model_len", "variant", "num_running", "delay_ms"]
+TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
+KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
+
+
+def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
+             variant: str, delay_s: float) -> dict[str, Any]:
+    """One run: `num_running` requests from start to finish; medians over the steps all of them decode."""
+    from cbjax.sampling_params import SamplingParams
+
+    passage = engine.tokenizer.encode(PASSAGE)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, **VARIANTS[variant])
+    timeline.delay_s = delay_s
+    timeline.steps.clear()
+    for i in range(num_running):
+        engine.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params)
+    finished = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        finished += [output for output in engine.step() if output.finished]
+    elapsed = time.perf_counter() - start
+    steps = timeline.steps
+    full = [i for i in range(len(steps) - 1) if steps[i].kind == "decode" and steps[i].num_sampling_rows == num_running]
+    if not full:
+        raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
+    return {
+        "max_model_len": engine.config.max_model_len, "variant": variant, "num_running": num_running,
+        "delay_ms": delay_s * 1e3, "prompt_len": prompt_len, "output_len": output_len,
+        "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
+        "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
+        "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
+        "wake_lag_ms_per_step": statistics.median(steps[i].wake_lag for i in full) * 1e3,
+        "host_work_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end - steps[i].wake_lag for i in full) * 1e3,
+        "host_cpu_ms_per_step": statistics.median(
+            steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
+        ) * 1e3,
+        "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
+        "num_output_tokens": sum(len(output.outputs[0].token_ids) for output in finished),
+        "finish_reasons": sorted({output.outputs[0].finish_reason for output in finished}),
+        "elapsed_s": elapsed,
+    }
+
+
+def medians_by_setting(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each setting's median of every time over its repeats, in the order the settings first ran."""
+    settings: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        settings.setdefault(tuple(run[k] for k in SETTING), []).append(run)
+    return [
+        dict(zip(SETTING, setting)) | {k: statistics.median(r[k] for r in group) for k in TIMES}
+        for setting, group in settings.items()
+    ]
+
+
+def build_standin_engine(args: argparse.Namespace, max_model_len: int):
+    """An engine for `max_model_len` whose device is the stand-in; the pool holds just the workload."""
+    from cbjax.bench.standin_device import install_standin
+    from cbjax.engine.config import EngineConfig
+    from cbjax.engine.engine import LLMEngine
+
+    max_running = max(args.num_running)
+    blocks_per_request = -(-(args.prompt_len + args.output_len) // args.block_size)
+    num_kv_blocks = max(max_running * blocks_per_request, -(-max_model_len // args.block_size)) + 1
+    options = engine_options(args) | {
+        "max_model_len": max_model_len, "max_num_seqs": max(args.max_num_seqs, max_running), "num_kv_blocks": num_kv_blocks,
+    }
+    engine = LLMEngine(EngineConfig(model=args.model, **options), precompile=False, progress=False)
+    return engine, install_standin(engine.runner, 0.0, engine.tokenizer.encode(PASSAGE))
+
+
+def cmd_host(args: argparse.Namespace) -> None:
+    runs = []
+    for max_model_len in args.max_model_lens:
+        engine, timeline = build_standin_engine(args, max_model_len)
+        run_host(engine, timeline, min(args.num_running), args.prompt_len, args.output_len, "penalties+stop", 0.0)  # warm-up
+        for _ in range(args.repeats):
+            for variant in args.variants:
+                for num_running in args.num_running:
+                    for delay_ms in args.delays_ms:
+                        runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
+                                             variant, delay_ms / 1e3))
+                        print_table(runs[-1:], KEYS)
+    medians = medians_by_setting(runs)
+    print(f"\nmedians over {args.repeats} repeat(s):")
+    print_table(medians, [*SETTING, *TIMES])
+    result = {"medians": medians, "runs": runs, **environment(args)}
+    write_json(args.result_json, result)
+
+
+def add_host_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("host", help="host time per step of the real engine against a stand-in device of fixed step time")
+    add_engine_args(p)
+    p.add_argument("--num-running", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--max-model-lens", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0, 5.0], help="device time per step")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")
+    p.add_argument("--result-json", default=None)
+    # The stand-in never reads the weights or the pool: keep them small (the call still passes them all).
+    p.set_defaults(func=cmd_host, dtype="bfloat16", kv_cache_dtype="float16", max_num_seqs=1)

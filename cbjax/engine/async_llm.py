@@ -1,0 +1,103 @@
+"""AsyncLLM (vLLM's name): the engine for asyncio callers, e.g. the OpenAI server.
+
+The engine core steps the engine in its own thread; AsyncLLM gives each request an asyncio
+queue that the core fills, and an async iterator over it. Leaving the iterator early (a client
+that disconnects, a cancelled task) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.core import EngineCore, EngineDeadError, StatLogger
+from cbjax.engine.engine import LLMEngine, Prompt
+from cbjax.engine.output_kinds import OutputKindView
+from cbjax.outputs import RequestOutput
+from cbjax.sampling_params import SamplingParams
+from cbjax.tokenizer import Tokenizer
+
+
+StatLoggerFactory = Callable[[EngineConfig], StatLogger]
+
+
+class AsyncLLM:
+    """Load and compile like `LLM(model, **options)`, then serve concurrent `generate` calls.
+
+    stat_loggers: factories (vLLM's StatLoggerFactory) called with the resolved EngineConfig; the
+    loggers they make see every step's outputs, in the engine-core thread.
+    """
+
+    def __init__(
+        self, model: str, *, stat_loggers: Sequence[StatLoggerFactory] = (), progress: bool = True,
+        **options: Any,
+    ):
+        self._attach(LLMEngine(EngineConfig(model=model, **options), progress=progress), stat_loggers)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, stat_loggers: Sequence[StatLoggerFactory] = ()) -> AsyncLLM:
+        """Serve an engine built already; from now on only the engine-core thread touches it."""
+        async_llm = cls.__new__(cls)
+        async_llm._attach(engine, stat_loggers)
+        return async_llm
+
+    def _attach(self, engine: LLMEngine, stat_loggers: Sequence[StatLoggerFactory]) -> None:
+        self.engine_config = engine.config
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.core = EngineCore(engine, [make(self.engine_config) for make in stat_loggers])
+        self.core.start()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    async def generate(
+        self, prompt: Prompt, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come, shaped by `sampling_params.output_kind`.
+
+        Raises ValueError (bad input, from add_request) or EngineDeadError.
+        """
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.core.add_request(
+            request_id, prompt, sampling_params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)
+        )
+        view = OutputKindView(sampling_params.output_kind)
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True  # rejected or engine dead: nothing to abort
+                    raise item
+                finished = item.finished
+                shown = view.apply(item)
+                if shown is not None:
+                    yield shown
+        finally:
+            if not finished:  # the caller left early (cancelled, closed, disconnected)
+                self.core.abort_request(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine's stats as of the latest step (num_running, num_waiting, kv_blocks_free, ...)."""
+        return dict(self.core.stats)
+
+    def num_waiting_requests(self) -> int:
+        """Requests waiting for a seat, as of the latest step (new ones may still find a free seat)."""
+        return self.core.stats["num_waiting"]
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once the engine-core loop has stopped."""
+        if not self.core.is_alive:
+            raise EngineDeadError(f"the engine-core loop is not running ({self.core.error!r})")
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Abort every request left, deliver their final outputs, stop the core thread."""
+        self.core.shutdown(timeout)

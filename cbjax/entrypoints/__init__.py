@@ -1,0 +1,1 @@
+"""Front ends that talk to engines: the OpenAI-compatible server."""

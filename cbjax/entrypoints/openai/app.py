@@ -1,0 +1,90 @@
+"""The FastAPI app: routes, middleware and error handlers wired to the handlers; no logic of its own."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from cbjax.engine.core import EngineDeadError
+from cbjax.entrypoints.openai.chat import conversation, create_chat_completion
+from cbjax.entrypoints.openai.completions import create_completion
+from cbjax.entrypoints.openai.errors import add_error_handlers, error_response
+from cbjax.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from cbjax.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from cbjax.entrypoints.openai.serving import ServerState, check_model, check_prompt_token_ids
+from cbjax.llm import chat_prompt
+
+
+def cbjax_version() -> str:
+    try:
+        return version("cbjax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | None, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="cbjax", version=cbjax_version())
+    add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(state, body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(state, body, raw_request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=state.served_model_name, root=state.engine.engine_config.model,
+                         max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            state.engine.check_health()
+        except EngineDeadError as error:
+            return error_response(503, str(error))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(state, body.model)
+        tokenizer = state.engine.tokenizer
+        if body.messages is not None:
+            tokens = chat_prompt(tokenizer, conversation(body.messages), body.add_generation_prompt)["prompt_token_ids"]
+        else:
+            tokens = tokenizer.encode(body.prompt or "")
+        return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(state, body.model)
+        check_prompt_token_ids(state, body.tokens, "tokens")
+        return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
+
+    @app.get("/version")
+    async def server_version() -> JSONResponse:
+        return JSONResponse({"version": cbjax_version()})
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,128 @@
+"""GET /metrics: the engine's counters in Prometheus format, with vLLM's metric names, meanings and
+label `model_name`, so that dashboards built for vLLM work unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cbjax.engine.config import EngineConfig
+from cbjax.outputs import RequestOutput
+
+# vLLM's bucket edges (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0]
+
+
+def one_two_five_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclasses.dataclass
+class _Progress:
+    num_output_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class PrometheusStatLogger:
+    """Fed by the engine core after every step (its StatLogger); read by GET /metrics."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, config: EngineConfig):
+        labels, model = ["model_name"], {"model_name": model_name}
+        r = registry
+        max_model_len, max_num_batched_tokens = config.max_model_len, config.max_num_batched_tokens
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(**model)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(**model)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**model)
+
+        self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       labels + ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               one_two_five_buckets(max_model_len))
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.",
+                                                   one_two_five_buckets(max_model_len))
+        step_buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          [b for b in step_buckets if b <= max_num_batched_tokens])
+        self.progress: dict[str, _Progress] = {}
+        self.preemptions_seen = 0
+        self.prefix_cache_seen = (0, 0)  # the engine's (queries, hits) already counted
+
+    def record_step(
+        self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
+    ) -> None:
+        self.num_running.set(stats["num_running"])
+        self.num_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage.set(1.0 - stats["kv_blocks_free"] / max(stats["kv_blocks_total"], 1))
+        self.num_preemptions.inc(stats["num_preemptions"] - self.preemptions_seen)
+        self.preemptions_seen = stats["num_preemptions"]
+        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        self.prefix_cache_queries.inc(queries - self.prefix_cache_seen[0])
+        self.prefix_cache_hits.inc(hits - self.prefix_cache_seen[1])
+        self.prefix_cache_seen = (queries, hits)
+        if num_step_tokens:
+            self.iteration_tokens.observe(num_step_tokens)
+        for output in outputs:
+            self._record_request(output, now)
+
+    def _record_request(self, output: RequestOutput, now: float) -> None:
+        progress = self.progress.setdefault(output.request_id, _Progress())
+        num_output_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        new_tokens = num_output_tokens - progress.num_output_tokens
+        if new_tokens > 0:
+            if progress.num_output_tokens == 0:  # the prompt is computed: its first token is out
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.ttft.observe(now - output.metrics.arrival_time)
+            elif progress.last_token_time is not None:
+                self.itl.observe(now - progress.last_token_time)
+            self.generation_tokens.inc(new_tokens)
+            progress.num_output_tokens, progress.last_token_time = num_output_tokens, now
+        if output.finished:
+            del self.progress[output.request_id]
+            metrics = output.metrics
+            reason = output.outputs[0].finish_reason or "abort"
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+            self.e2e.observe(now - metrics.arrival_time)
+            if metrics.first_scheduled_time is not None:
+                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+            self.request_generation_tokens.observe(num_output_tokens)

@@ -1,0 +1,87 @@
+"""`cbjax serve`: load and compile the model, start uvicorn, print the URL once /health answers 200,
+drain on SIGTERM (within --shutdown-timeout, then abort what is left) and exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
+from cbjax.cli_args import engine_options
+from cbjax.engine.async_llm import AsyncLLM
+from cbjax.entrypoints.openai.app import build_app
+from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
+from cbjax.entrypoints.openai.serving import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    api_key = args.api_key or os.environ.get("CBJAX_API_KEY") or None
+    if not is_loopback(args.host) and api_key is None:
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    model_dir = resolve_model(args.model)
+    served_model_name = args.served_model_name or args.model or BUILTIN_MODEL_NAME
+    registry = CollectorRegistry()
+    engine = AsyncLLM(
+        str(model_dir),
+        stat_loggers=[lambda config: PrometheusStatLogger(registry, served_model_name, config)],
+        **engine_options(args),
+    )
+    state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests)
+    app = build_app(state, registry, api_key, args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn re-raises the signal it drained on; a no-op handler makes that drained exit a clean 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        ok = asyncio.run(_serve(uvicorn.Server(config), args, served_model_name))
+    finally:
+        engine.shutdown(timeout=args.shutdown_timeout)
+    if not ok:
+        sys.exit(1)
+
+
+async def _serve(server: uvicorn.Server, args: argparse.Namespace, served_model_name: str) -> bool:
+    """Run until SIGTERM; announce the URL only once the server answers /health with 200."""
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            return False  # uvicorn said why (e.g. the port is taken)
+        await asyncio.sleep(0.05)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}"
+    status = await asyncio.to_thread(_health_status, url)
+    if status != 200:
+        logger.error("/health answered %d after start-up; stopping", status)
+        server.should_exit = True
+        await serving
+        return False
+    print(f"cbjax serving {served_model_name} at {url} (OpenAI API: {url}/v1)", flush=True)
+    await serving
+    return True
+
+
+def _health_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code

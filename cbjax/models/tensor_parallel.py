@@ -1,0 +1,73 @@
+"""How Megatron-style tensor parallelism splits each Llama-family parameter over N devices.
+
+q/k/v and gate/up are split by output columns, o and down by input rows (one all-reduce after
+each), the embedding and the LM head by vocabulary. When a model has fewer KV heads than devices,
+each KV head is replicated until every device holds one (as vLLM and tpu-inference do), so k/v
+and the KV pool take a full head per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cbjax.config import ModelConfig
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernels [in, out]: out split
+ROW_PARALLEL = ("o_proj", "down_proj")  # kernels [in, out]: in split; biases replicated (added after the all-reduce)
+
+
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each device holds: an even split, or one replicated head when there are too few."""
+    return max(num_kv_heads // tensor_parallel_size, 1)
+
+
+def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int) -> list[str]:
+    """Why the model cannot be split over `tensor_parallel_size` devices (empty if it can)."""
+    n = tensor_parallel_size
+    problems = []
+    if config.num_attention_heads % n:
+        problems.append(f"num_attention_heads={config.num_attention_heads} is not divisible by {n}")
+    kv = config.num_key_value_heads
+    if kv % n and n % kv:
+        problems.append(f"num_key_value_heads={kv} neither divides by {n} nor divides {n} (for replication)")
+    if config.intermediate_size % n:
+        problems.append(f"intermediate_size={config.intermediate_size} is not divisible by {n}")
+    return problems
+
+
+def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    """Every size the model splits over (bounded by the attention heads, each device needing one)."""
+    return [n for n in range(1, config.num_attention_heads + 1) if not tensor_parallel_problems(config, n)]
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError naming the numbers that do not split and the sizes that would."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    problems = tensor_parallel_problems(config, tensor_parallel_size)
+    if problems:
+        sizes = ", ".join(map(str, valid_tensor_parallel_sizes(config)))
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} cannot split this model: {'; '.join(problems)}; "
+            f"valid sizes: {sizes}"
+        )
+
+
+def shard_shape(
+    path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig, tensor_parallel_size: int
+) -> tuple[int, ...]:
+    """The shape one device holds of the parameter at `path` (nnx state path names)."""
+    n = tensor_parallel_size
+    module, name = path[-2], path[-1]
+    if module in ("k_proj", "v_proj"):  # out = KV heads x head_dim, replicated up to one head per device
+        out = kv_heads_per_device(config.num_key_value_heads, n) * config.head_dim
+        return (*shape[:-1], out)
+    if module in COLUMN_PARALLEL:
+        return (*shape[:-1], shape[-1] // n)
+    if module in ROW_PARALLEL and name == "kernel":
+        return (shape[0] // n, *shape[1:])
+    if module == "embed_tokens":  # [vocab, hidden]; the vocabulary is padded up to a multiple of N
+        return (math.ceil(shape[0] / n), *shape[1:])
+    if module == "lm_head":  # [hidden, vocab]
+        return (*shape[:-1], math.ceil(shape[-1] / n))
+    return shape  # norms and row-parallel biases: replicated

@@ -1,0 +1,81 @@
+"""`cbjax bench host`: the real engine against a stand-in device of fixed step time, at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax.bench.host import PASSAGE
+from cbjax.bench.standin_device import DeviceTimeline, PendingResult, install_standin
+from cbjax.cli import main
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.engine import LLMEngine
+from cbjax.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("host"), "llama")[1])
+
+
+def test_device_queue_runs_steps_one_after_another_while_the_host_goes_on():
+    timeline = DeviceTimeline(0.01)
+    first, second = timeline.launch("decode", 2), timeline.launch("decode", 2)
+    # Launched back to back: the second waits for the first, as on a GPU stream.
+    assert second.start == first.end == pytest.approx(first.start + 0.01)
+    result = PendingResult(np.arange(3), second)
+    assert not result.is_ready()  # the launches returned at once: the host is free
+    start = time.perf_counter()
+    assert np.asarray(result).tolist() == [0, 1, 2]
+    assert time.perf_counter() >= second.end and time.perf_counter() - start >= 0.015
+
+
+def test_standin_continues_the_passage_and_the_host_waits_for_the_device(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_seqs=4, max_model_len=128), precompile=False, progress=False)
+    passage = engine.tokenizer.encode(PASSAGE)
+    timeline = install_standin(engine.runner, 0.004, passage)
+    for i in range(3):
+        engine.add_request(str(i), {"prompt_token_ids": passage[:10]}, SamplingParams(max_tokens=5, ignore_eos=True))
+    start = time.perf_counter()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    elapsed = time.perf_counter() - start
+    # The stand-in samples the passage's next token: positions 10..14 of the passage, as text too.
+    assert [out.outputs[0].token_ids for out in finished] == [passage[10:15]] * 3
+    assert finished[0].outputs[0].text == engine.tokenizer.decode(passage[10:15])
+    # One prefill step (all three prompts) then four decode steps; each costs 4 ms of device time,
+    # which the host's clock sees because it blocks on every step's result.
+    assert [(s.kind, s.num_sampling_rows) for s in timeline.steps] == [("mixed", 3)] + [("decode", 3)] * 4
+    assert all(s.end - s.start == pytest.approx(0.004) for s in timeline.steps)
+    assert elapsed >= 5 * 0.004
+
+
+def test_bench_host_reports_per_step_times_for_every_variant(checkpoint, tmp_path):
+    path = tmp_path / "host.json"
+    main([
+        "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "256",
+        "--delays-ms", "0", "3", "--variants", "greedy", "penalties+stop", "--prompt-len", "8", "--output-len", "6",
+        "--result-json", str(path),
+    ])
+    result = json.loads(path.read_text())
+    runs = result["runs"]
+    assert result["args"]["num_running"] == [4] and result["args"]["max_model_lens"] == [128, 256]
+    assert [(r["max_model_len"], r["variant"], r["delay_ms"]) for r in runs] == [
+        (length, variant, delay) for length in (128, 256) for variant in ("greedy", "penalties+stop") for delay in (0, 3)
+    ]
+    for run in runs:
+        # 4 requests x 6 tokens, never stopped by the stop strings; the 4 prompts (32 tokens) prefill in
+        # the first step, which samples each first token, then 5 decode steps. Measured: decode steps
+        # with a next step after them, 4 of the 5.
+        assert run["num_output_tokens"] == 24 and run["num_requests_finished"] == 4
+        assert run["finish_reasons"] == ["length"]
+        assert run["num_steps"] == 6 and run["num_measured_steps"] == 4
+        assert run["device_ms_per_step"] == pytest.approx(run["delay_ms"], abs=1e-6)
+        assert run["wall_ms_per_step"] >= run["delay_ms"]
+        assert 0 < run["host_ms_per_step"] <= run["wall_ms_per_step"]
+        assert run["elapsed_s"] >= run["num_steps"] * run["delay_ms"] / 1e3

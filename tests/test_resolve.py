@@ -1,0 +1,58 @@
+"""What a model argument names: converted dirs as they are, HF dirs converted once into the cache,
+clear errors for Hub ids and GGUF files (there is no download)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax.checkpoint import resolve
+from cbjax.checkpoint.loader import load_model
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_hf_directory_is_converted_once_into_the_cache_and_reused(tmp_path, cache, monkeypatch):
+    hf_dir, ckpt_dir = make_tiny_checkpoint(tmp_path, "llama")
+    assert resolve.resolve_model(str(ckpt_dir)) == ckpt_dir, "a converted checkpoint is used in place"
+    converted = resolve.resolve_model(str(hf_dir))
+    assert converted.parent == cache / "models" and (converted / "params").is_dir()
+    assert (converted / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
+    _, config = load_model(converted)
+    assert config.vocab_size == 320
+
+    def no_second_conversion(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(resolve, "convert_checkpoint", no_second_conversion)
+    assert resolve.resolve_model(str(hf_dir)) == converted
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", ["Hub id", "does not download", "cbjax convert"]),
+        ("model.Q4_1.gguf", ["GGUF", "cbjax import-gguf", "cbjax convert"]),
+        ("./no/such/dir", ["does not exist"]),
+    ],
+)
+def test_arguments_that_name_no_local_directory_say_how_to_prepare_one(model, words, cache):
+    with pytest.raises(ValueError) as error:
+        resolve.resolve_model(model)
+    assert model in str(error.value) and all(word in str(error.value) for word in words)
+
+
+def test_a_directory_without_weights_is_refused(tmp_path, cache):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither a converted checkpoint"):
+        resolve.resolve_model(str(tmp_path))
+
+
+def test_no_model_is_the_builtin_one_from_the_cache(cache, monkeypatch):
+    target = cache / "models" / resolve.BUILTIN_MODEL_NAME
+    (target / "params").mkdir(parents=True)
+    assert resolve.resolve_model(None) == target == resolve.resolve_model("")
