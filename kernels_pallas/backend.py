@@ -22,6 +22,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float
 
 from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
@@ -38,6 +39,7 @@ from kernels_pallas.reference import (
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("xla", "cpp", "pallas", "pallas_interpret")
+MODEL_AXIS = "model"  # the mesh axis that tensor parallelism splits heads over
 XLA_MIXED_BLOCK_Q = 16  # query tile of the jnp path for mixed (prefill) steps
 
 
@@ -149,6 +151,7 @@ class AttentionPlan:
     backend: str = "xla"
     decode_only: bool = False
     max_num_prefills: int | None = None
+    mesh: Mesh | None = None  # tensor parallel: heads and the pool split over its MODEL_AXIS
 
 
 def attention(
@@ -200,8 +203,22 @@ def write_kv_and_attend(
     The C++ CPU kernel does both in one call (two XLA:CPU scatters per layer cost about 2 ms of
     a 26 ms SmolLM2 decode step); every other backend is `write_kv` then `attention`.
     """
+    if plan.mesh is not None:
+        # Tensor parallel: each device runs this on its own heads and pool shard (no kernel is
+        # partitioned by XLA); whole query heads sit with the KV heads they read, so attention needs
+        # no communication. The metadata is replicated.
+        heads, pool = P(None, MODEL_AXIS, None), P(MODEL_AXIS)
+        per_shard = jax.shard_map(
+            functools.partial(write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None)),
+            mesh=plan.mesh,
+            in_specs=(heads, heads, heads, (pool, pool), P()),
+            out_specs=(heads, (pool, pool)),
+            check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
+        )
+        return per_shard(q, k, v, kv_cache, metadata)
     if plan.backend == "cpp":
         out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
     return attention(q, k_pages, v_pages, metadata, sm_scale, plan), (k_pages, v_pages)
+

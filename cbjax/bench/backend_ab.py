@@ -1,4 +1,4 @@
-"""Attention backends side by side: one engine per backend in one process, interleaved rounds.
+"""Attention backends (and tensor-parallel sizes) side by side: one engine each in one process, interleaved rounds.
 
     python -m cbjax.bench.backend_ab --model checkpoints/smollm2-135m-instruct --backends xla cpp \\
         --max-num-seqs 16 --max-num-batched-tokens 256 --max-model-len 512 --dtype bfloat16 \\
@@ -7,7 +7,10 @@
 Every round runs the same synthetic requests (section 6's peers workload by default: prompts
 and outputs of 16-112 tokens, outputs forced with ignore_eos, temperature 1) through each
 engine in turn, queued at once, and times until the last finishes. The first round warms up;
-the summary is the median output tokens/s of the others and each backend's ratio to the first.
+the summary is the median output tokens/s of the others and each engine's ratio to the first.
+
+`--tensor-parallel-sizes 1 3` runs every backend at each size (give the process that many devices,
+e.g. XLA_FLAGS=--xla_force_host_platform_device_count=3 on a CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cbjax.bench.backend_ab", description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--backends", nargs="+", default=["xla", "cpp"])
+    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=None, help="default: --tensor-parallel-size")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -40,11 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2:
         parser.error(f"--rounds is {args.rounds}; it needs at least 2 (the first is a warm-up)")
 
+    sizes = args.tensor_parallel_sizes or [args.tensor_parallel_size]
     engines = {
-        backend: LLMEngine(EngineConfig(model=args.model, **(engine_options(args) | {"attention_backend": backend})))
+        backend if len(sizes) == 1 else f"{backend} tp={tp}": LLMEngine(EngineConfig(
+            model=args.model, **(engine_options(args) | {"attention_backend": backend, "tensor_parallel_size": tp})
+        ))
         for backend in args.backends
+        for tp in sizes
     }
-    vocab = engines[args.backends[0]].model_config.vocab_size
+    vocab = next(iter(engines.values())).model_config.vocab_size
     requests = [
         {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
         for r in random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds[backend].append(num_output / run["elapsed"])
             print(f"round {round_index} {backend}: {rounds[backend][-1]:.1f} output tok/s", flush=True)
     medians = {backend: statistics.median(values[1:]) for backend, values in rounds.items()}
-    first = args.backends[0]
+    first = next(iter(engines))
     for backend, value in medians.items():
         print(f"{backend:8s} median {value:7.1f} output tok/s  ({value / medians[first]:.2f}x {first})")
     if args.result_json:

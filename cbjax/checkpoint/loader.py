@@ -2,39 +2,59 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
-from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, param_name
+from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
 from cbjax.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from cbjax.engine.sharding import TensorParallel
+
 
 def load_model(
-    ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None
+    ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
     activation_dtype: see LlamaForCausalLM (None: the same as the weights).
     Every tensor's name, shape and dtype is checked against the model before anything is restored.
+    tensor_parallel: orbax restores each tensor straight into its sharding (an HF directory is read
+    on the host, then each tensor is put into its sharding), so no device ever holds the whole
+    model; KV heads are repeated as it says, and the config returned is the served one.
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
     if (ckpt_dir / PARAMS_DIR).is_dir():
-        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None)
+        restore_sharding = None if tensor_parallel is None else tensor_parallel.restore_sharding
+        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None, sharding=restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
-    return _fill_model(config, model_dtype, params, activation_dtype), config
+    if tensor_parallel is None:
+        return _fill_model(config, model_dtype, params, activation_dtype), config
+    params = tensor_parallel.repeat_kv_heads(params, config)
+    config = tensor_parallel.serving_config(config)
+    place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
+    return _fill_model(config, model_dtype, params, activation_dtype, place), config
 
 
-def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool) -> dict[str, np.ndarray]:
+def _restore_orbax(
+    params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool,
+    sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> dict[str, np.ndarray | jax.Array]:
+    """Every stored tensor by name: numpy on the host, or with `sharding` jax arrays restored into it."""
     expected = expected_params(config, jnp.dtype(dtype))
     with ocp.StandardCheckpointer() as checkpointer:
         stored = flatten_params(checkpointer.metadata(params_dir.resolve()).item_metadata.tree)
@@ -43,20 +63,28 @@ def _restore_orbax(params_dir: Path, config: ModelConfig, dtype: str, *, cast: b
             for name, meta in stored.items()
         }
         check_params(expected, found, source=str(params_dir))
-        return flatten_params(checkpointer.restore(params_dir.resolve()))
+        if sharding is None:
+            return flatten_params(checkpointer.restore(params_dir.resolve()))
+        target = nest_params({
+            name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(name, shape)) for name, (shape, dtype) in found.items()
+        })
+        return flatten_params(checkpointer.restore(params_dir.resolve(), target))
 
 
 def _fill_model(
-    config: ModelConfig, dtype: str, params: dict[str, np.ndarray], activation_dtype: str | None = None
+    config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
+    place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jnp.asarray(array),
 ) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
-    released once it is on device, so at most one extra tensor is alive beyond one model copy."""
+    released once it is on device, so at most one extra tensor is alive beyond one model copy.
+    `place` puts one named tensor on its device(s) (a no-op for one already restored there)."""
     graphdef, abstract_state = nnx.split(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
     )
     filled = [
         (path, variable.replace(
-            jnp.asarray(params.pop(param_name(path)), dtype=dtype) if isinstance(variable, nnx.Param)
+            place(param_name(path), params.pop(param_name(path)).astype(jnp.dtype(dtype)))
+            if isinstance(variable, nnx.Param)
             else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
         ))
         for path, variable in nnx.to_flat_state(abstract_state)

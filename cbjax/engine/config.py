@@ -29,10 +29,10 @@ class EngineConfig:
     max_logprobs: int = 20
     compilation_cache_dir: str | None = None  # persistent XLA compilation cache
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills")
+        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -50,10 +50,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
-            )
 
     def resolve(self, max_position_embeddings: int) -> None:
         """Fill the defaults that depend on the model, then check the limits against each other."""

@@ -11,6 +11,7 @@ import jax
 
 from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
+from cbjax.config import ModelConfig
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
@@ -19,6 +20,7 @@ from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_re
 from cbjax.engine.request import Request, RequestStatus
 from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
+from cbjax.engine.sharding import TensorParallel
 from cbjax.models.llama import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
@@ -44,24 +46,32 @@ class LLMEngine:
         # XLA:CPU has fast bf16 x bf16 -> f32 dots but slow bf16 arithmetic otherwise: on CPU,
         # 16-bit weights keep float32 activations and a float32 KV pool.
         activation_dtype = "float32" if device.platform == "cpu" else None
-        model, self.model_config = load_model(config.model, dtype=dtype, activation_dtype=activation_dtype)
+        tensor_parallel = None
+        if config.tensor_parallel_size > 1:  # checked against the model before any weight is read
+            tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size)
+        # Under TP, model_config counts KV heads after repetition (see cbjax/engine/sharding.py).
+        model, self.model_config = load_model(
+            config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel
+        )
         config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
         mc = self.model_config
         self.backend = resolve_backend(
             config.attention_backend,
-            num_q_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads,
+            num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads
+            num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,
             head_dim=mc.head_dim,
             block_size=config.block_size,
         )
         reserved_bytes = 0
         if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
-            reserved_bytes = ModelRunner(model, mc, config, 2, self.backend).peak_step_bytes()
+            reserved_bytes = ModelRunner(model, mc, config, 2, self.backend, tensor_parallel).peak_step_bytes()
         num_blocks = plan_num_blocks(
-            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)),
+            # Memory sizing is per device: each holds 1/tensor_parallel_size of every block.
+            bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
+            // config.tensor_parallel_size,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -71,7 +81,7 @@ class LLMEngine:
             device=device,
             reserved_bytes=reserved_bytes,
         )
-        self.runner = ModelRunner(model, mc, config, num_blocks, self.backend)
+        self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

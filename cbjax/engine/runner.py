@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import zlib
@@ -26,6 +27,7 @@ from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
+from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.models.llama import init_kv_caches
 from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import AttentionMetadata
@@ -73,18 +75,29 @@ def request_seed(engine_seed: int, request_id: str, seed: int | None) -> int:
 class ModelRunner:
     """Owns the weights, the KV pool and the compiled steps."""
 
-    def __init__(self, model: nnx.Module, model_config: Any, config: Any, num_blocks: int, backend: str):
+    def __init__(
+        self, model: nnx.Module, model_config: Any, config: Any, num_blocks: int, backend: str,
+        tensor_parallel: TensorParallel | None = None,
+    ):
         self.model_config = model_config
+        self.tensor_parallel = tensor_parallel
         self.config = config
         self.backend = backend
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.graphdef, state = nnx.split(model)
+        if tensor_parallel is not None:
+            state = tensor_parallel.shard_state(state)
         # The weights travel as a flat list: flattening nnx's State pytree on every call cost
         # about 4 ms of dispatch per step.
         self.weights, self._state_treedef = jax.tree_util.tree_flatten(state)
-        self.kv_caches = init_kv_caches(model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
+        init_pool = functools.partial(
+            init_kv_caches, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
+        )
+        # Under TP each device allocates only its own KV heads.
+        self.kv_caches = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
+        self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -124,6 +137,7 @@ class ModelRunner:
     def _step_fn(self, bucket: Bucket, backend: str):
         graphdef, layout, num_logprobs = self.graphdef, self._layouts[bucket], self.config.max_logprobs
         state_treedef = self._state_treedef
+        mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
         def step(weights, kv_caches, packed):
             inputs: StepInputs = unpack(packed, layout)
@@ -134,11 +148,13 @@ class ModelRunner:
                 kv_caches,
                 inputs.attention,
                 inputs.logits_indices,
-                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills),
+                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
+            if mesh is not None:  # the sampler reads whole vocabulary rows
+                logits = jax.lax.with_sharding_constraint(logits, self.tensor_parallel.replicated)
             return kv_caches, pack_device(sample(logits, inputs.sampling, num_logprobs))
 
-        return jax.jit(step, donate_argnums=(1,))
+        return jax.jit(step, donate_argnums=(1,), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
