@@ -51,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per token, plus the sampled token's
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token, plus the prompt token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # applied by AsyncLLM's streams
@@ -95,11 +96,12 @@ class SamplingParams:
         self._validate_stops()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), "
-                                 f"got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), got {value}")
 
     def _validate_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -141,7 +141,7 @@ def test_no_compilation_while_serving(llm):
     params = [
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3),
-        SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=3, logprobs=3),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=3, logprobs=3, prompt_logprobs=2),
         SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=9),
         SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=15, stop=["e"]),
@@ -204,7 +204,8 @@ def test_logprobs_are_the_raw_log_softmax(tiny, llm, expected):
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, len(prompts[2]) - 1 :], -1).numpy()
     for position, entry in enumerate(out.outputs[0].logprobs):
         top = np.argsort(-ref[position])[:4]
-        assert [token for token, lp in entry.items() if lp.rank is not None] == top.tolist()
+        assert list(entry) == top.tolist()  # greedy: the sampled token is the top one, listed first
+        assert [lp.rank for lp in entry.values()] == [1, 2, 3, 4]
         for token, lp in entry.items():
             assert lp.logprob == pytest.approx(ref[position, token], abs=1e-4)
 

@@ -104,10 +104,11 @@ def test_admission_counts_a_reused_free_cached_block_as_taken_from_the_pool():
     manager.check_invariants([hog, b])
 
 
-def test_penalised_requests_fill_the_cache_but_do_not_read_it():
+def test_penalised_and_prompt_logprob_requests_fill_the_cache_but_do_not_read_it():
     manager = BlockManager(num_blocks=16, block_size=4, enable_caching=True)
     compute(manager, make_request("a", list(range(9)), has_penalties=True))
     assert manager.get_computed_blocks(make_request("b", list(range(9)), has_penalties=True)) == []
+    assert manager.get_computed_blocks(make_request("p", list(range(9)), prompt_logprobs=0)) == []
     assert len(manager.get_computed_blocks(make_request("c", list(range(9))))) == 2
 
 

@@ -1,6 +1,7 @@
 """Where a step's time goes on the host, at many running requests.
 
     python -m cbjax.bench.host_overhead --model checkpoints/smollm2-135m-instruct --num-requests 256
+    python -m cbjax.bench.host_overhead --model ... --max-model-len 8192 --penalties   # penalty history cost
 
 Part 1 runs the real engine with `--num-requests` requests decoding together
 and times each phase of every step by wrapping the engine's own objects:
@@ -9,6 +10,9 @@ device (the compiled step, transfers included), update (Scheduler.update) and
 outputs (detokenization, stop strings, RequestOutput). Host share = everything
 but device, over the whole step.
 
+host_cpu_ms is the same host share measured as the main thread's CPU time (time.thread_time),
+which other processes competing for the cores do not inflate.
+
 Part 2 times the scheduler alone (schedule + update, no model, no device) at
 the same number of running requests, with a fake token per request.
 """
@@ -16,6 +20,7 @@ the same number of running requests, with a fake token per request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -33,16 +38,19 @@ from cbjax.sampling_params import SamplingParams
 
 
 def timed(times: dict[str, list[float]], name: str, fn):
+    """Records fn's wall time under `name` and the calling thread's CPU time under `name`_cpu."""
+
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         result = fn(*args, **kwargs)
         times[name].append(time.perf_counter() - start)
+        times[f"{name}_cpu"].append(time.thread_time() - start_cpu)
         return result
 
     return wrapper
 
 
-def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int) -> dict:
+def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int, penalties: bool = False) -> dict:
     """Median seconds per phase over the steps where every request is decoding."""
     times: dict[str, list[float]] = defaultdict(list)
     runner, scheduler = engine.runner, engine.scheduler
@@ -60,27 +68,29 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
     scheduler.update = timed(times, "update", scheduler.update)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if penalties:
+        params = dataclasses.replace(params, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
     for i in range(num_requests):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(10, 40000, prompt_len).tolist()}, params)
-    steps = []
+    step = timed(times, "step", engine.step)
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
+        step()
     full = [i for i, flag in enumerate(everyone_decoding) if flag]
     if not full:
         raise SystemExit("no step had every request decoding; raise --output-len above the prefill steps")
     pick = lambda name: float(np.median([times[name][i] for i in full]))  # noqa: E731
-    step, schedule, update, execute, prepare = (
-        float(np.median([steps[i] for i in full])), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
-    )
+    step, schedule, update, execute, prepare = pick("step"), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
     device = execute - prepare
     outputs = step - schedule - update - execute
     host = step - device
+    # The main thread's CPU time, per step, outside the device call: host work that waiting for a
+    # busy CPU (other processes on a shared machine) does not inflate.
+    host_cpu = [times["step_cpu"][i] - times["execute_cpu"][i] + times["prepare_cpu"][i] for i in full]
     return dict(
         num_running=num_requests, step_ms=step * 1e3, schedule_ms=schedule * 1e3, prepare_ms=prepare * 1e3,
         device_ms=device * 1e3, update_ms=update * 1e3, outputs_ms=outputs * 1e3,
         host_ms=host * 1e3, host_share=host / step, scheduler_share=(schedule + update) / step,
+        host_cpu_ms=float(np.median(host_cpu)) * 1e3, prepare_cpu_ms=pick("prepare_cpu") * 1e3,
     )
 
 
@@ -110,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--penalties", action="store_true", help="every request uses presence, frequency and repetition penalties")
     parser.add_argument("--result-json", type=pathlib.Path, default=None)
     parser.set_defaults(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=256)
     args = parser.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
     report = dict(
-        engine=engine_phases(engine, args.num_requests, args.prompt_len, args.output_len),
+        engine=engine_phases(engine, args.num_requests, args.prompt_len, args.output_len, args.penalties),
+        max_model_len=args.max_model_len,
+        penalties=args.penalties,
         scheduler_alone=scheduler_alone(args.num_requests, args.prompt_len, args.output_len),
     )
     print(json.dumps(report, indent=2))

@@ -15,8 +15,8 @@ callbacks synchronously in the calling thread.)
 What it relies on in ModelRunner: `buckets`; `compiled[bucket]` called as
 `(weights, *donated_device_state, packed_inputs) -> (*device_state, packed_result)` and the result
 read with `np.asarray`; `_layouts[bucket]` / `_out_layouts[bucket]`, the PackedLayouts of
-StepInputs (token_ids, positions, logits_indices, sampling.temperature) and SamplerOutput
-(token_ids); and `warm_up()`, which calls every step once.
+StepInputs (token_ids, positions, logits_indices, sampling.temperature) and StepOutputs
+(sampled.token_ids); and `warm_up()`, which calls every step once.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class StandInStep:
         token_ids = self.text_token_ids[(positions + 1) % self.text_token_ids.shape[0]]
         zeros = [jnp.zeros(shape, dtype) for shape, dtype in zip(self.out_layout.shapes, self.out_layout.dtypes)]
         result = jax.tree_util.tree_unflatten(self.out_layout.treedef, zeros)
-        return (*state, pack_device(dataclasses.replace(result, token_ids=token_ids.astype(jnp.int32))))
+        sampled = dataclasses.replace(result.sampled, token_ids=token_ids.astype(jnp.int32))
+        return (*state, pack_device(dataclasses.replace(result, sampled=sampled)))
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         args = tuple(a.value if isinstance(a, PendingResult) else a for a in args)

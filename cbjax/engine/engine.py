@@ -171,11 +171,13 @@ class LLMEngine:
                 f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
                 f"at most {SUPPRESS_LEN} are supported; pass fewer stop_token_ids or min_tokens=0"
             )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}; "
-                "ask for fewer or raise max_logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds max_logprobs={self.config.max_logprobs}; "
+                    "ask for fewer or raise max_logprobs"
+                )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (safe from any thread); its output so far comes back from the next step()
@@ -195,13 +197,16 @@ class LLMEngine:
             if parent is not None:
                 for child in parent.children:
                     self.scheduler.abort_request(child.request_id)
+                    self.runner.release_request(child.request_id)
                 outputs.append(self._finish_output(parent))
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         if not scheduled.scheduled:
             return outputs
-        sampled = self.runner.execute(scheduled)
+        sampled, prompt_logprobs = self.runner.execute(scheduled)
         self.num_steps += 1
+        for request_id, chunk in prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(request_id, chunk)
         self.scheduler.update(scheduled, {rid: s.token_id for rid, s in sampled.items()})
         progressed: dict[str, ParentRequest] = {}
         for row in scheduled.scheduled:
@@ -217,6 +222,8 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
+            if request.is_finished:  # now, not with its last sibling: its penalty slot serves others
+                self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]
             progressed[parent.request_id] = parent
         for parent in progressed.values():

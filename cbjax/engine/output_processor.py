@@ -6,7 +6,7 @@ import dataclasses
 
 from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
-from cbjax.engine.runner import SampledToken
+from cbjax.engine.runner import PromptLogprobsChunk, SampledToken
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -20,6 +20,7 @@ class RequestText:
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob]] | None = None  # from the second prompt token on
 
 
 class OutputProcessor:
@@ -35,7 +36,17 @@ class OutputProcessor:
                 self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             ),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+
+    def add_prompt_logprobs(self, request_id: str, chunk: PromptLogprobsChunk) -> None:
+        """Record the prompt logprobs a step scored; positions already recorded (a preempted request
+        computing its prompt again) are skipped."""
+        recorded = self.texts[request_id].prompt_logprobs
+        for i, token_id in enumerate(chunk.token_ids):
+            if chunk.start + i == len(recorded) + 1:  # recorded[j] is prompt position j + 1
+                recorded.append(self._logprob_dict(token_id, chunk.logprobs[i], chunk.ranks[i],
+                                                   chunk.top_token_ids[i], chunk.top_logprobs[i]))
 
     def process_token(self, request: Request, sampled: SampledToken, stop_terminated: bool) -> str | None:
         """Record the request's newest token; the stop string it completed, if any.
@@ -48,7 +59,8 @@ class OutputProcessor:
         params = request.sampling_params
         state.cumulative_logprob += sampled.logprob
         if state.logprobs is not None:
-            state.logprobs.append(self._logprobs(sampled))
+            state.logprobs.append(self._logprob_dict(sampled.token_id, sampled.logprob, sampled.rank,
+                                                     sampled.top_token_ids, sampled.top_logprobs))
         if stop_terminated and not params.include_stop_str_in_output:
             return None
         delta = state.detokenizer.add_tokens([sampled.token_id])
@@ -65,25 +77,27 @@ class OutputProcessor:
                 return stop
         return None
 
-    def _logprobs(self, sampled: SampledToken) -> dict[int, Logprob]:
-        entry = {
-            token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
-            for rank, (token_id, logprob) in enumerate(zip(sampled.top_token_ids, sampled.top_logprobs), start=1)
-        }
-        if sampled.token_id not in entry:
-            decoded = self.tokenizer.decode([sampled.token_id], skip_special_tokens=False)
-            entry[sampled.token_id] = Logprob(sampled.logprob, None, decoded)
+    def _logprob_dict(
+        self, token_id: int, logprob: float, rank: int, top_token_ids: list[int], top_logprobs: list[float]
+    ) -> dict[int, Logprob]:
+        """vLLM's dict: the chosen token first with its true rank, then the top N ranked 1..N."""
+        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+        for top_rank, (top_id, top_logprob) in enumerate(zip(top_token_ids, top_logprobs), start=1):
+            entry[top_id] = Logprob(top_logprob, top_rank, decode(top_id))
         return entry
 
     def make_output(self, parent: ParentRequest) -> RequestOutput:
         """One output per submitted request: a completion per child, index = its place among them."""
         first = parent.children[0]
+        first_state = self.texts[first.request_id]
         output = RequestOutput(
             request_id=parent.request_id,
-            prompt=self.texts[first.request_id].prompt,
+            prompt=first_state.prompt,
             prompt_token_ids=list(first.prompt_token_ids),
             outputs=[self._completion(child, index) for index, child in enumerate(parent.children)],
             finished=parent.finished,
+            prompt_logprobs=None if first_state.prompt_logprobs is None else [None, *first_state.prompt_logprobs],
             metrics=_metrics(parent.children),
             num_cached_tokens=first.num_cached_tokens,
         )

@@ -35,4 +35,4 @@ def computes_whole_prompt(params: Any) -> bool:
     Penalty counts and prompt logprobs are built inside the step from the prompt tokens it
     computes; such a request still fills the cache for others, and with n > 1 it is not forked.
     """
-    return params.has_penalties or getattr(params, "prompt_logprobs", None) is not None
+    return params.has_penalties or params.prompt_logprobs is not None

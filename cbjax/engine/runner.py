@@ -1,9 +1,10 @@
 """ModelRunner: buckets, input packing, precompilation and step dispatch.
 
 Every step is one call of an executable compiled at start-up: the host packs
-the step's metadata into one int32 buffer (one transfer in), the pool is
-donated (updated in place), sampling runs inside the step, and the sampled
-tokens and logprobs come back packed in one buffer (one transfer out).
+the step's metadata into one int32 buffer (one transfer in), the pool and the
+penalty state are donated (updated in place), sampling runs inside the step, and
+the sampled tokens, their logprobs and any prompt logprobs come back packed in
+one buffer (one transfer out).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
+from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
+from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharding import TensorParallel, step_shardings
@@ -48,6 +51,18 @@ class StepInputs:
     logits_indices: Int[Array, "reqs"]  # last new token of each sampling request, compacted
     attention: AttentionMetadata
     sampling: SamplingTensors
+    token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
+    token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
+    prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """What a step sends back, in one buffer."""
+
+    sampled: SamplerOutput  # per sampling row
+    prompt: TokenLogprobs  # per token row: the logprob of prompt_logprob_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +71,21 @@ class SampledToken:
 
     token_id: int
     logprob: float
+    rank: int  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
     top_token_ids: list[int]  # empty unless the request asked for logprobs
     top_logprobs: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens start, start + 1, ... of one request, scored in one step."""
+
+    start: int  # index in the prompt of the first token scored (>= 1: the first has no logprob)
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 def kv_cache_dtype(requested: str, model: nnx.Module) -> jnp.dtype:
@@ -97,6 +125,10 @@ class ModelRunner:
         )
         # Under TP each device allocates only its own KV heads.
         self.kv_caches = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
+        self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
+        if tensor_parallel is not None:  # the sampler reads whole vocabulary rows on every device
+            self.penalty_state = jax.device_put(self.penalty_state, tensor_parallel.replicated)
+        self.penalty_slots = PenaltySlots(config.max_num_seqs)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
         self.compiled: dict[Bucket, Any] = {}
@@ -120,17 +152,20 @@ class ModelRunner:
                 seq_lens=zeros(num_reqs),
                 block_tables=zeros(num_reqs, self.max_blocks_per_seq),
             ),
-            sampling=build_sampling_tensors(sampling_rows, num_reqs, self.config.max_model_len, SUPPRESS_LEN),
+            sampling=build_sampling_tensors(sampling_rows, num_reqs, SUPPRESS_LEN),
+            token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
+            token_prompt_lens=zeros(num_tokens),
+            prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
         )
 
-    def _host_outputs(self, bucket: Bucket) -> SamplerOutput:
-        num_reqs, k = bucket.num_reqs, self.config.max_logprobs
-        return SamplerOutput(
-            token_ids=np.zeros((num_reqs,), np.int32),
-            token_logprobs=np.zeros((num_reqs,), np.float32),
-            top_logprob_ids=np.zeros((num_reqs, k), np.int32),
-            top_logprobs=np.zeros((num_reqs, k), np.float32),
-        )
+    def _host_outputs(self, bucket: Bucket) -> StepOutputs:
+        def logprobs(num_rows: int) -> TokenLogprobs:
+            k = self.config.max_logprobs
+            return TokenLogprobs(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32),
+                                 np.zeros((num_rows, k), np.int32), np.zeros((num_rows, k), np.float32))
+
+        return StepOutputs(SamplerOutput(np.zeros(bucket.num_reqs, np.int32), logprobs(bucket.num_reqs)),
+                           logprobs(bucket.num_tokens))
 
     # ---- the step -----------------------------------------------------------
 
@@ -139,22 +174,28 @@ class ModelRunner:
         state_treedef = self._state_treedef
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(weights, kv_caches, packed):
+        def step(weights, kv_caches, penalty_state, packed):
             inputs: StepInputs = unpack(packed, layout)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weights))
-            logits, kv_caches = model(
+            hidden, kv_caches = model.hidden_states(
                 inputs.token_ids,
                 inputs.positions,
                 kv_caches,
                 inputs.attention,
-                inputs.logits_indices,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
+            logits = model.compute_logits(hidden[inputs.logits_indices])
             if mesh is not None:  # the sampler reads whole vocabulary rows
                 logits = jax.lax.with_sharding_constraint(logits, self.tensor_parallel.replicated)
-            return kv_caches, pack_device(sample(logits, inputs.sampling, num_logprobs))
+            penalty_state = record_step_tokens(penalty_state, inputs.token_ids, inputs.positions,
+                                               inputs.token_penalty_slots, inputs.token_prompt_lens)
+            outputs = StepOutputs(
+                sample(logits, inputs.sampling, penalty_state, num_logprobs),
+                prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
+            )
+            return kv_caches, penalty_state, pack_device(outputs)
 
-        return jax.jit(step, donate_argnums=(1,), **self._shardings)
+        return jax.jit(step, donate_argnums=(1, 2), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
@@ -174,7 +215,9 @@ class ModelRunner:
         self.warm_up()
 
     def _compile(self, bucket: Bucket) -> Any:
-        return self._step_fn(bucket, self.backend).lower(self.weights, self.kv_caches, self._packed_struct(bucket)).compile()
+        return self._step_fn(bucket, self.backend).lower(
+            self.weights, self.kv_caches, self.penalty_state, self._packed_struct(bucket)
+        ).compile()
 
     def _executable(self, bucket: Bucket) -> Any:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
@@ -204,7 +247,7 @@ class ModelRunner:
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
-            self.kv_caches, result = compiled(self.weights, self.kv_caches, pack(inputs))
+            self.kv_caches, self.penalty_state, result = compiled(self.weights, self.kv_caches, self.penalty_state, pack(inputs))
             result.block_until_ready()
 
     def peak_step_bytes(self) -> int:
@@ -219,11 +262,11 @@ class ModelRunner:
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
         abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        weights, kv_caches = abstract(self.weights), abstract(self.kv_caches)
+        weights, kv_caches, penalty_state = abstract(self.weights), abstract(self.kv_caches), abstract(self.penalty_state)
         results = []
         for bucket in self.buckets:
             try:
-                self._step_fn(bucket, backend).trace(weights, kv_caches, self._packed_struct(bucket)).lower(
+                self._step_fn(bucket, backend).trace(weights, kv_caches, penalty_state, self._packed_struct(bucket)).lower(
                     lowering_platforms=(platform,)
                 )
                 results.append((bucket, None))
@@ -242,6 +285,8 @@ class ModelRunner:
                 f"the scheduler gave {num_prefills} prompt chunks in one step; the compiled steps hold at most "
                 f"max_num_prefills={self.config.max_num_prefills} (a scheduler bug: report it)"
             )
+        for request_id in scheduled.preempted_request_ids:  # they recompute from position 0
+            self.penalty_slots.release(request_id)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
@@ -258,6 +303,14 @@ class ModelRunner:
             attn.slot_mapping[offset:end] = blocks[positions // bs] * bs + positions % bs
             attn.seq_lens[i] = start + n
             attn.block_tables[i, : len(blocks)] = blocks
+            params, num_prompt = request.sampling_params, request.num_prompt_tokens
+            if params.has_penalties:
+                inputs.token_penalty_slots[offset:end] = self.penalty_slots.slot(request.request_id)
+                inputs.token_prompt_lens[offset:end] = num_prompt
+            if params.prompt_logprobs is not None and start + 1 < num_prompt:
+                # the token at position p scores prompt token p + 1, across chunk boundaries too
+                targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
+                inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
             offset = end
             attn.query_start_loc[i + 1] = offset
             if row.samples:  # sampling rows are compacted, in the order of sampling_rows
@@ -275,24 +328,54 @@ class ModelRunner:
             params=params,
             seed=request_seed(self.config.seed, request.request_id, params.seed),
             counter=request.num_output_tokens,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
             suppress_token_ids=suppress,
+            penalty_slot=self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT,
         )
 
-    def execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; the sampled token of every request that samples in it."""
+    def release_request(self, request_id: str) -> None:
+        """The request finished or was aborted: free what the runner holds for it."""
+        self.penalty_slots.release(request_id)
+
+    def execute(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobsChunk]]:
+        """Run one step: the sampled token of every request that samples in it, and the prompt
+        logprobs scored in it for requests that asked for them."""
         bucket, inputs = self.prepare(scheduled)
         packed = pack(inputs)
-        self.kv_caches, result = self._executable(bucket)(self.weights, self.kv_caches, packed)
-        out: SamplerOutput = unpack_host(np.asarray(result), self._out_layouts[bucket])
-        sampled = {}
+        self.kv_caches, self.penalty_state, result = self._executable(bucket)(
+            self.weights, self.kv_caches, self.penalty_state, packed
+        )
+        out: StepOutputs = unpack_host(np.asarray(result), self._out_layouts[bucket])
+        sampled, logprobs = {}, out.sampled.logprobs
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
             n = row.request.sampling_params.logprobs or 0
             sampled[row.request.request_id] = SampledToken(
-                token_id=int(out.token_ids[i]),
-                logprob=float(out.token_logprobs[i]),
-                top_token_ids=out.top_logprob_ids[i, :n].tolist(),
-                top_logprobs=out.top_logprobs[i, :n].tolist(),
+                token_id=int(out.sampled.token_ids[i]),
+                logprob=float(logprobs.logprobs[i]),
+                rank=int(logprobs.ranks[i]),
+                top_token_ids=logprobs.top_ids[i, :n].tolist(),
+                top_logprobs=logprobs.top_logprobs[i, :n].tolist(),
             )
-        return sampled
+        return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt)
+
+    @staticmethod
+    def _prompt_logprobs(
+        scheduled: SchedulerOutput, inputs: StepInputs, prompt: TokenLogprobs
+    ) -> dict[str, PromptLogprobsChunk]:
+        chunks, offset = {}, 0
+        for row in scheduled.scheduled:
+            request, start = row.request, row.start
+            num_prompt, n = request.num_prompt_tokens, request.sampling_params.prompt_logprobs
+            if n is not None and start + 1 < num_prompt:
+                rows = slice(offset, offset + min(row.num_new_tokens, num_prompt - 1 - start))
+                chunks[request.request_id] = PromptLogprobsChunk(
+                    start=start + 1,
+                    token_ids=inputs.prompt_logprob_targets[rows].tolist(),
+                    logprobs=prompt.logprobs[rows].tolist(),
+                    ranks=prompt.ranks[rows].tolist(),
+                    top_token_ids=prompt.top_ids[rows, :n].tolist(),
+                    top_logprobs=prompt.top_logprobs[rows, :n].tolist(),
+                )
+            offset += row.num_new_tokens
+        return chunks

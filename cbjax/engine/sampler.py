@@ -1,10 +1,12 @@
 """On-device sampling with vLLM's semantics, run inside the jitted step.
 
-Per row, in vLLM's order: suppress (min_tokens) -> repetition / frequency /
-presence penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p
--> sample. A row's randomness is fold_in(key(seed), counter) with counter the
-output index of the token, so a seeded request samples the same tokens whatever
-else is in the batch, at whatever row, however it was scheduled.
+Per row, in vLLM V1's order: suppress (min_tokens) -> repetition / frequency /
+presence penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p
+(over the mass min-p and top-k kept) -> sample. Penalties read the request's
+history from the device-side PenaltyState (penalty_state.py). A row's randomness
+is fold_in(key(seed), counter) with counter the output index of the token, so a
+seeded request samples the same tokens whatever else is in the batch, at
+whatever row, however it was scheduled.
 
 Expensive stages sit behind `lax.cond` on "does any row use this": an all-greedy
 batch without penalties costs about an argmax. Sorting the vocabulary is far too
@@ -24,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from cbjax.engine.logprobs import TokenLogprobs, gather_logprobs, no_logprobs
+from cbjax.engine.penalty_state import NO_SLOT, PenaltyState, slot_rows
 from cbjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 HostOrDevice = np.ndarray | Array  # the builder fills numpy; the step sees device arrays
@@ -46,8 +50,7 @@ class SamplingTensors:
     repetition_penalty: Float[HostOrDevice, "S"]
     seeds: UInt32[HostOrDevice, "S"]
     counters: Int[HostOrDevice, "S"]  # output index of the token being sampled
-    token_history: Int[HostOrDevice, "S L"]  # prompt then output ids, -1 padded; penalty rows only
-    prompt_lens: Int[HostOrDevice, "S"]  # history[:prompt_len] is prompt, the rest output
+    penalty_slots: Int[HostOrDevice, "S"]  # the row's PenaltyState slot; NO_SLOT without penalties
     suppress_token_ids: Int[HostOrDevice, "S K"]  # forbidden this step (min_tokens), -1 padded
     wants_logprobs: Int[HostOrDevice, "S"]  # 1 where the request asked for logprobs
 
@@ -55,12 +58,10 @@ class SamplingTensors:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
-    """Sampled tokens; the logprob fields are None when `sample` got num_logprobs=None."""
+    """Sampled tokens; logprobs is None when `sample` got num_logprobs=None."""
 
     token_ids: Int[Array, "S"]
-    token_logprobs: Float[Array, "S"] | None  # raw logprob of the sampled token
-    top_logprob_ids: Int[Array, "S N"] | None  # descending by logprob
-    top_logprobs: Float[Array, "S N"] | None
+    logprobs: TokenLogprobs | None  # raw logprobs: the sampled token's, its rank, the top N
 
 
 class SamplingRow(NamedTuple):
@@ -69,9 +70,8 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     seed: int  # the request's seed, or one the engine derived for it
     counter: int  # number of output tokens so far
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
     suppress_token_ids: Sequence[int] = ()
+    penalty_slot: int = NO_SLOT  # where the request's token history lives on the device
 
 
 def _column(values: list, num_rows: int, dtype: type, pad: float) -> np.ndarray:
@@ -80,30 +80,17 @@ def _column(values: list, num_rows: int, dtype: type, pad: float) -> np.ndarray:
     return column
 
 
-def build_sampling_tensors(
-    rows: Sequence[SamplingRow], num_rows_padded: int, history_len: int, suppress_len: int
-) -> SamplingTensors:
-    """Packs rows into numpy SamplingTensors of S=num_rows_padded rows (one host->device copy).
-
-    The token history is filled only for rows with penalties; history_len and
-    suppress_len are the bucket's fixed widths L and K.
-    """
+def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows_padded: int, suppress_len: int) -> SamplingTensors:
+    """Packs rows into numpy SamplingTensors of S=num_rows_padded rows (one host->device copy);
+    suppress_len is the bucket's fixed width K."""
     if len(rows) > num_rows_padded:
         raise ValueError(f"{len(rows)} rows to sample but num_rows_padded is {num_rows_padded}; "
                          f"use a bucket of at least {len(rows)} rows")
     params = [row.params for row in rows]
-    token_history = np.full((num_rows_padded, history_len), -1, np.int32)
-    prompt_lens = np.zeros(num_rows_padded, np.int32)
     suppress = np.full((num_rows_padded, suppress_len), -1, np.int32)
     for i, row in enumerate(rows):
-        if row.params.has_penalties:
-            num_prompt, num_output = len(row.prompt_token_ids), len(row.output_token_ids)
-            if num_prompt + num_output > history_len:
-                raise ValueError(f"row {i} has {num_prompt + num_output} prompt+output tokens but "
-                                 f"history_len is {history_len}; raise history_len to max_model_len")
-            token_history[i, :num_prompt] = row.prompt_token_ids
-            token_history[i, num_prompt : num_prompt + num_output] = row.output_token_ids
-            prompt_lens[i] = num_prompt
+        if row.params.has_penalties and row.penalty_slot == NO_SLOT:
+            raise ValueError(f"row {i} has penalties but no penalty_slot; give it its request's slot")
         if len(row.suppress_token_ids) > suppress_len:
             raise ValueError(f"row {i} suppresses {len(row.suppress_token_ids)} token ids but "
                              f"suppress_len is {suppress_len}; raise suppress_len")
@@ -119,8 +106,7 @@ def build_sampling_tensors(
         repetition_penalty=_column([p.repetition_penalty for p in params], num_rows_padded, np.float32, 1.0),
         seeds=_column([row.seed % 2**32 for row in rows], num_rows_padded, np.uint32, 0),
         counters=_column([row.counter for row in rows], num_rows_padded, np.int32, 0),
-        token_history=token_history,
-        prompt_lens=prompt_lens,
+        penalty_slots=_column([row.penalty_slot for row in rows], num_rows_padded, np.int32, NO_SLOT),
         suppress_token_ids=suppress,
         wants_logprobs=_column([int(p.logprobs is not None) for p in params], num_rows_padded, np.int32, 0),
     )
@@ -133,15 +119,9 @@ def _suppress(logits: Float[Array, "S V"], token_ids: Int[Array, "S K"]) -> Floa
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
-def _apply_penalties(logits: Float[Array, "S V"], t: SamplingTensors) -> Float[Array, "S V"]:
+def _apply_penalties(logits: Float[Array, "S V"], t: SamplingTensors, state: PenaltyState) -> Float[Array, "S V"]:
     """vLLM: repetition over prompt and output tokens; frequency and presence over output only."""
-    num_rows, vocab = logits.shape
-    history = t.token_history
-    ids = jnp.where(history >= 0, history, vocab)  # padding -> dropped
-    is_output = jnp.arange(history.shape[1])[None, :] >= t.prompt_lens[:, None]
-    rows = jnp.arange(num_rows)[:, None]
-    seen = jnp.zeros((num_rows, vocab), bool).at[rows, ids].set(True, mode="drop")
-    output_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output, mode="drop")
+    seen, output_counts = slot_rows(state, t.penalty_slots)
     repetition = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
     logits = logits - t.frequency_penalty[:, None] * output_counts
@@ -242,11 +222,12 @@ def _sample_random(logits: Float[Array, "S V"], t: SamplingTensors, greedy_ids: 
     scaled = logits / jnp.where(is_random, t.temperature, 1.0)[:, None]
     top_k = jnp.where(is_random, t.top_k, 0)
     top_p = jnp.where(is_random, t.top_p, 1.0)
-    uses_top_k_top_p = jnp.any((top_k > 0) | (top_p < 1.0))
-    scaled = jax.lax.cond(uses_top_k_top_p, _top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
-    # min-p keeps p >= min_p * p_max, i.e. scaled >= max + log(min_p); after top-k/top-p as vLLM
+    # min-p keeps p >= min_p * p_max, i.e. scaled >= max + log(min_p); before top-k/top-p as vLLM V1,
+    # so top-p measures the mass of what min-p kept
     floor = jnp.max(scaled, axis=-1) + jnp.log(t.min_p)
     scaled = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
+    uses_top_k_top_p = jnp.any((top_k > 0) | (top_p < 1.0))
+    scaled = jax.lax.cond(uses_top_k_top_p, _top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.key(seed), counter))(
         t.seeds, t.counters)
     uniform = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]: never picks a zero-weight token
@@ -257,17 +238,20 @@ def _has_penalties(t: SamplingTensors) -> Bool[Array, ""]:
     return jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
 
 
-def sample(logits: Float[Array, "S V"], t: SamplingTensors, num_logprobs: int | None = None) -> SamplerOutput:
+def sample(
+    logits: Float[Array, "S V"], t: SamplingTensors, penalty_state: PenaltyState, num_logprobs: int | None = None
+) -> SamplerOutput:
     """Samples one token per row. num_logprobs (static): top-N raw logprobs per row, None for none.
 
     Logprobs are vLLM's default "raw" ones: log_softmax of the logits before
-    suppression, penalties and temperature.
+    suppression, penalties and temperature; the sampled token's rank is over the whole vocabulary.
+    penalty_state must already hold this step's input tokens (record_step_tokens).
     """
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"num_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {num_logprobs}")
     raw = logits.astype(jnp.float32)
     processed = _suppress(raw, t.suppress_token_ids)
-    processed = jax.lax.cond(_has_penalties(t), _apply_penalties, lambda x, _: x, processed, t)
+    processed = jax.lax.cond(_has_penalties(t), _apply_penalties, lambda x, *_: x, processed, t, penalty_state)
     # argmax (lowest index on ties; top_k is 2-3x faster than argmax on CPU), only when some row is
     # greedy: it costs 0.8 ms of a 30 ms SmolLM2 decode step at 16 rows.
     greedy_ids = jax.lax.cond(
@@ -279,30 +263,14 @@ def sample(logits: Float[Array, "S V"], t: SamplingTensors, num_logprobs: int | 
     token_ids = jax.lax.cond(jnp.any(t.temperature > 0), _sample_random, lambda x, _, g: g,
                              processed, t, greedy_ids)
     if num_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, None)
     # A log_softmax and top-k over the vocabulary cost as much as the rest of the sampler: skip
     # them unless some row asked for logprobs.
-    token_logprobs, top_ids, top_logprobs = jax.lax.cond(
+    logprobs = jax.lax.cond(
         jnp.any(t.wants_logprobs > 0),
-        functools.partial(_logprobs, num_logprobs=num_logprobs),
-        functools.partial(_no_logprobs, num_logprobs=num_logprobs),
+        functools.partial(gather_logprobs, num_logprobs=num_logprobs),
+        lambda raw, _: no_logprobs(raw.shape[0], num_logprobs),
         raw,
         token_ids,
     )
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_logprobs)
-
-
-def _logprobs(raw: Float[Array, "S V"], token_ids: Int[Array, "S"], num_logprobs: int):
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
-    token_logprobs = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
-
-
-def _no_logprobs(raw: Float[Array, "S V"], token_ids: Int[Array, "S"], num_logprobs: int):
-    num_rows = raw.shape[0]
-    return (
-        jnp.zeros((num_rows,), jnp.float32),
-        jnp.zeros((num_rows, num_logprobs), jnp.int32),
-        jnp.zeros((num_rows, num_logprobs), jnp.float32),
-    )
+    return SamplerOutput(token_ids, logprobs)

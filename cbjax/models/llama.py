@@ -180,6 +180,19 @@ class LlamaForCausalLM(nnx.Module):
         plan: AttentionPlan = AttentionPlan(),
     ) -> tuple[Float[Array, "samples vocab"], list[KVCache]]:
         """Logits (float32) at rows `logits_indices` of the batch, and every layer's updated pool."""
+        hidden, new_caches = self.hidden_states(token_ids, positions, kv_caches, metadata, plan)
+        # Gather before the norm and head: only the sampled rows ever pay for the vocab projection.
+        return self.compute_logits(hidden[logits_indices]), new_caches
+
+    def hidden_states(
+        self,
+        token_ids: Int[Array, "tokens"],
+        positions: Int[Array, "tokens"],
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        plan: AttentionPlan = AttentionPlan(),
+    ) -> tuple[Float[Array, "tokens hidden"], list[KVCache]]:
+        """The last layer's output at every token (before the final norm), and every layer's updated pool."""
         if len(kv_caches) != self.config.num_hidden_layers:
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for {self.config.num_hidden_layers} layers; "
@@ -191,8 +204,11 @@ class LlamaForCausalLM(nnx.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, kv_cache = layer(x, positions, kv_cache, metadata, plan)
             new_caches.append(kv_cache)
-        # Gather before the norm and head: only the sampled rows ever pay for the vocab projection.
-        x = self.model.norm(x[logits_indices])
+        return x, new_caches
+
+    def compute_logits(self, hidden: Float[Array, "rows hidden"]) -> Float[Array, "rows vocab"]:
+        """Final norm and LM head: float32 logits of the given rows of hidden_states."""
+        x = self.model.norm(hidden)
         if self.tied_head is not None:
             x16 = x.astype(self.dtype)
             logits = jnp.concatenate(
@@ -205,7 +221,7 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.dot(embedding, x.astype(embedding.dtype).T, preferred_element_type=self.activation_dtype).T
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), new_caches
+        return logits.astype(jnp.float32)
 
 
 def init_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> list[KVCache]:

@@ -1,0 +1,97 @@
+"""Penalty history kept on the device: per request slot, which tokens its prompt holds and how often
+each token appears in its output.
+
+The runner gives every running request with penalties a slot; each step records the
+step's own input tokens into their slots (position < prompt_len: prompt, else output), so
+by the time a request samples, every prompt and output token has passed through. A request
+whose step starts at position 0 (a new request, or one recomputing after preemption) has its
+slot cleared first. The host sends only slot ids and prompt lengths, never the history, so its
+work per step does not grow with max_model_len or with how long requests have run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+NO_SLOT = -1  # a token or row whose request has no penalties
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    """Donated into every step, updated in place."""
+
+    prompt_seen: Bool[Array, "slots V"]
+    output_counts: Int[Array, "slots V"]
+
+
+def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((num_slots, vocab_size), bool), jnp.zeros((num_slots, vocab_size), jnp.int32))
+
+
+def _clear_rows(state: PenaltyState, rows: Int[Array, "tokens"]) -> PenaltyState:
+    cleared = jnp.zeros(state.prompt_seen.shape[0], bool).at[rows].set(True, mode="drop")[:, None]
+    return PenaltyState(state.prompt_seen & ~cleared, jnp.where(cleared, 0, state.output_counts))
+
+
+def record_step_tokens(
+    state: PenaltyState,
+    token_ids: Int[Array, "tokens"],
+    positions: Int[Array, "tokens"],
+    token_slots: Int[Array, "tokens"],
+    token_prompt_lens: Int[Array, "tokens"],
+) -> PenaltyState:
+    """Adds the step's input tokens to their requests' slots (NO_SLOT tokens are skipped)."""
+    num_slots = state.prompt_seen.shape[0]
+    slots = jnp.where(token_slots >= 0, token_slots, num_slots)  # out of range: dropped by the scatters
+    starts = jnp.where(positions == 0, slots, num_slots)
+    # Clearing touches every slot's row: only in steps where a penalty request starts.
+    state = jax.lax.cond(jnp.any(starts < num_slots), _clear_rows, lambda s, _: s, state, starts)
+    is_prompt = positions < token_prompt_lens
+    prompt_seen = state.prompt_seen.at[jnp.where(is_prompt, slots, num_slots), token_ids].set(True, mode="drop")
+    output_counts = state.output_counts.at[jnp.where(is_prompt, num_slots, slots), token_ids].add(1, mode="drop")
+    return PenaltyState(prompt_seen, output_counts)
+
+
+def slot_rows(
+    state: PenaltyState, row_slots: Int[Array, "S"]
+) -> tuple[Bool[Array, "S V"], Float[Array, "S V"]]:
+    """(token seen in prompt or output, output count) of each sampling row's slot; rows without a
+    slot read slot 0, harmless because their penalties are neutral."""
+    rows = jnp.clip(row_slots, 0, state.prompt_seen.shape[0] - 1)
+    output_counts = state.output_counts[rows]
+    return state.prompt_seen[rows] | (output_counts > 0), output_counts.astype(jnp.float32)
+
+
+class PenaltySlots:
+    """Host side: which slot each request with penalties holds (host-only, no device work)."""
+
+    def __init__(self, num_slots: int):
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, assigned on first use."""
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(
+                    f"no penalty slot left for request {request_id}: all {len(self._slot_of)} are held; "
+                    "finished, aborted and preempted requests must release theirs (an engine bug: report it)"
+                )
+            slot = self._slot_of[request_id] = self._free.pop()
+        return slot
+
+    @property
+    def num_held(self) -> int:
+        return len(self._slot_of)
+
+    def release(self, request_id: str) -> None:
+        """Free the request's slot, if it holds one (finished, aborted or preempted)."""
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
