@@ -171,6 +171,20 @@ def test_penalised_n2_computes_its_prompt_per_completion(cached):
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
 
 
+def test_prompt_logprobs_n2_scores_its_whole_prompt_despite_a_cached_prefix(cached):
+    prompt = {"prompt_token_ids": list(range(10, 31))}
+    cached.generate(prompt, GREEDY, use_tqdm=False)  # its 2 full blocks are now cached
+    count = counting_prompt_tokens(cached.llm_engine)
+    try:
+        params = SamplingParams(n=2, temperature=0.0, prompt_logprobs=0, max_tokens=3, ignore_eos=True)
+        (out,) = cached.generate(prompt, params, use_tqdm=False)
+    finally:
+        del cached.llm_engine.runner.execute
+    assert count[0] == 2 * 21 and out.num_cached_tokens == 0
+    assert len(out.prompt_logprobs) == 21 and out.prompt_logprobs[0] is None
+    assert all(len(entry) == 1 and token in entry for token, entry in zip(range(11, 31), out.prompt_logprobs[1:]))
+
+
 def test_aborting_an_n3_request_returns_every_completion(cached):
     engine = cached.llm_engine
     engine.add_request("fan", {"prompt_token_ids": list(range(3, 20))}, SamplingParams(n=3, max_tokens=40, ignore_eos=True))
