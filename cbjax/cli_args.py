@@ -34,13 +34,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (one process)"
     )
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching to turn off)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
         "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
         "kv_cache_memory_bytes "
-        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size"
+        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
+        "enable_prefix_caching"
     ).split()
     return {name: getattr(args, name) for name in names}
 

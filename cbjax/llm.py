@@ -49,6 +49,10 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (and nothing done) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -117,7 +121,7 @@ class LLM:
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        num_output_tokens += len(output.outputs[0].token_ids)
+                        num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
                         bar.update(1)
                         bar.set_postfix(out_tok_s=f"{num_output_tokens / (time.perf_counter() - start):.1f}")
         return [finished[request_id] for request_id in ids]

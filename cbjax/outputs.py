@@ -70,3 +70,4 @@ class RequestOutput:
     # None at the first prompt position, then per position {token_id: Logprob} of the top N and the
     # prompt token, when SamplingParams.prompt_logprobs asked for them
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (the first completion's)

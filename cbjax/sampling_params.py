@@ -70,9 +70,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}; "
-                             f"submit the prompt {self.n} times with different seeds instead")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
         _check_range("temperature", self.temperature, 0.0, float("inf"))
         _check_range("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _check_int("top_k", self.top_k)

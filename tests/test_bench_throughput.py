@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
-from cbjax.bench.dataset import SyntheticRequest, arrival_offsets, random_requests
+from cbjax.bench.dataset import SyntheticRequest, arrival_offsets, prefix_requests, random_requests
 from cbjax.bench.metrics import serving_metrics
 from cbjax.bench.recorder import StepRecorder
 from cbjax.bench.serve import run_serve
@@ -38,6 +38,23 @@ def test_random_requests_follow_the_range_ratio_and_seed():
     assert all(0 <= t < 300 for r in requests for t in r.prompt_token_ids)
     assert requests == random_requests(50, 20, 10, 0.5, 300, seed=3)
     assert list(arrival_offsets(3, float("inf"), 1.0, 0)) == [0, 0, 0]
+
+
+def test_prefix_requests_share_each_prefix_equally_then_ask_their_own_question():
+    requests = prefix_requests(12, num_prefixes=3, prefix_len=40, question_len=10, output_len=8,
+                               range_ratio=0.5, vocab_size=300, seed=1)
+    groups: dict[tuple, list[list[int]]] = {}
+    for request in requests:  # prefixes have 20 to 60 random tokens: their first 20 tell them apart
+        groups.setdefault(tuple(request.prompt_token_ids[:20]), []).append(request.prompt_token_ids)
+    assert sorted(len(group) for group in groups.values()) == [4, 4, 4]
+    for group in groups.values():
+        prefix_len = next(i for i, column in enumerate(zip(*group)) if len(set(column)) > 1)
+        assert 20 <= prefix_len <= 60
+        assert all(5 <= len(prompt) - prefix_len <= 15 for prompt in group)
+    assert all(4 <= r.output_len <= 12 for r in requests)
+    assert requests == prefix_requests(12, 3, 40, 10, 8, 0.5, 300, seed=1)
+    with pytest.raises(ValueError, match="num_prefixes is 13"):
+        prefix_requests(12, 13, 40, 10, 8, 0.5, 300)
     offsets = arrival_offsets(200, request_rate=4.0, burstiness=1.0, seed=0)
     assert offsets[0] == 0 and (offsets[1:] >= offsets[:-1]).all()
 

@@ -18,7 +18,7 @@ def test_defaults_match_vllm():
 
 
 @pytest.mark.parametrize("field, value, expected", [
-    ("n", 2, r"n must be 1"),
+    ("n", 0, r"n must be >= 1 \(completions per prompt\), got 0"),
     ("temperature", -0.1, r"temperature must be in \[0, inf\], got -0.1"),
     ("temperature", float("nan"), r"temperature must be in"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),

@@ -21,6 +21,8 @@ class Params:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    has_penalties: bool = False
+    prompt_logprobs: int | None = None
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,

@@ -14,12 +14,17 @@ from cbjax.cli_args import add_engine_args, engine_options
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's random-dataset flags."""
+    """vLLM's random-dataset flags, and the shared-prefix dataset's."""
+    parser.add_argument("--dataset", default="random", choices=["random", "prefix"],
+                        help="prefix: prompts = one of --num-prefixes shared prefixes + a question")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
     parser.add_argument("--dataset-seed", type=int, default=0, help="seed of the synthetic prompts and lengths")
+    parser.add_argument("--num-prefixes", type=int, default=8, help="prefix dataset: distinct shared prefixes")
+    parser.add_argument("--prefix-len", type=int, default=512, help="prefix dataset: tokens per prefix (range ratio applies)")
+    parser.add_argument("--question-len", type=int, default=32, help="prefix dataset: tokens after the prefix")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +40,13 @@ def build_engine(args: argparse.Namespace, **overrides: Any):
 
 
 def synthetic_requests(args: argparse.Namespace, vocab_size: int):
-    from cbjax.bench.dataset import random_requests
+    from cbjax.bench.dataset import prefix_requests, random_requests
 
+    if args.dataset == "prefix":
+        return prefix_requests(
+            args.num_prompts, args.num_prefixes, args.prefix_len, args.question_len, args.output_len,
+            args.range_ratio, vocab_size, args.dataset_seed,
+        )
     return random_requests(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size, args.dataset_seed
     )
@@ -91,7 +101,7 @@ def median_by(runs: list[dict[str, Any]], group: str, keys: list[str]) -> dict[s
 # ---- throughput ---------------------------------------------------------------------
 
 THROUGHPUT_KEYS = [
-    "output_throughput", "total_token_throughput", "elapsed_time", "useful_slot_occupancy",
+    "output_throughput", "mean_ttft_ms", "prefix_cache_hit_rate", "total_token_throughput", "elapsed_time", "useful_slot_occupancy",
     "mean_step_occupancy", "decode_step_occupancy", "peak_kv_usage", "kv_waste", "kv_waste_steady_state", "num_preemptions", "num_steps", "mean_step_ms",
 ]
 
@@ -107,23 +117,41 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     runs, series = [], {}
     for repeat in range(args.repeats):  # interleaved, so drifting machine load hits every variant alike
         for scheduling in args.scheduling:
-            result = run_throughput(recorder, requests, scheduling, label=f"{scheduling}{repeat}")
-            runs.append(result | {"repeat": repeat})
-            series[scheduling] = step_series(recorder.records)
-            print_table([runs[-1]], ["scheduling", "repeat", *THROUGHPUT_KEYS[:7]])
-    medians = median_by(runs, "scheduling", THROUGHPUT_KEYS)
+            # A B, then B A: machine load drifting over a repeat hits both variants alike.
+            for caching in args.prefix_caching if repeat % 2 == 0 else reversed(args.prefix_caching):
+                variant = scheduling if len(args.prefix_caching) == 1 else f"{scheduling} caching-{caching}"
+                set_prefix_caching(engine, caching == "on")
+                result = run_throughput(recorder, requests, scheduling, label=f"{variant}{repeat}")
+                runs.append(result | {"variant": variant, "repeat": repeat})
+                series[variant] = step_series(recorder.records)
+                print_table([runs[-1]], ["variant", "repeat", *THROUGHPUT_KEYS[:7]])
+    medians = median_by(runs, "variant", THROUGHPUT_KEYS)
     print(f"\nmedians over {args.repeats} interleaved repeat(s):")
-    print_table([{"scheduling": name, **m} for name, m in medians.items()], ["scheduling", *THROUGHPUT_KEYS])
+    print_table([{"variant": name, **m} for name, m in medians.items()], ["variant", *THROUGHPUT_KEYS])
     result = {"medians": medians, "runs": runs, "steps": series, **environment(args)}
     if {"continuous", "static"} <= medians.keys():
         ratio = medians["continuous"]["output_throughput"] / medians["static"]["output_throughput"]
         result["continuous_over_static_output_throughput"] = ratio
         print(f"continuous / static output throughput: {ratio:.2f}x")
+    for scheduling in args.scheduling:
+        on, off = medians.get(f"{scheduling} caching-on"), medians.get(f"{scheduling} caching-off")
+        if on and off:
+            ratio = on["output_throughput"] / off["output_throughput"]
+            result[f"{scheduling}_caching_on_over_off_output_throughput"] = ratio
+            print(f"{scheduling}: prefix caching on / off output throughput {ratio:.3f}x, "
+                  f"mean TTFT {on['mean_ttft_ms']:.0f} vs {off['mean_ttft_ms']:.0f} ms")
     write_json(args.result_json, result)
     if args.plot:
         from cbjax.bench.plots import plot_steps
 
         print("plots:", *plot_steps(pathlib.Path(args.plot), series))
+
+
+def set_prefix_caching(engine, enabled: bool) -> None:
+    """Turn the engine's prefix caching on or off between runs (same process, same compiled steps), cold."""
+    engine.block_manager.enable_caching = enabled
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache can only be reset with no request running")
 
 
 # ---- serve ---------------------------------------------------------------------------
@@ -173,14 +201,14 @@ def cmd_serve_http(args: argparse.Namespace, percentiles: list[float], slos: dic
     """Client mode: streaming requests to an OpenAI-compatible server at --base-url."""
     import asyncio
 
-    from cbjax.bench.dataset import arrival_offsets, random_requests
+    from cbjax.bench.dataset import arrival_offsets
     from cbjax.bench.metrics import serving_metrics
     from cbjax.bench.serve_client import drive_server, served_model_name
 
     base_url = args.base_url.rstrip("/")
     model = args.model or served_model_name(base_url)
     vocab = args.vocab_size or vocab_size_of(model)
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+    requests = synthetic_requests(args, vocab)
     offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.dataset_seed)
     extra_body = {"temperature": args.temperature}
     timelines, errors, duration = asyncio.run(
@@ -248,6 +276,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="one or both (run side by side, interleaved)",
     )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the table gives medians")
+    p.add_argument(
+        "--prefix-caching", nargs="+", default=["on"], choices=["on", "off"],
+        help="one or both (both: side by side in one engine, each run starting with an empty cache)",
+    )
     add_output_args(p)
     p.set_defaults(func=cmd_throughput)
 

@@ -1,4 +1,5 @@
-"""Synthetic requests like vLLM's `random` dataset: random token ids, lengths spread by a range ratio.
+"""Synthetic requests like vLLM's `random` and `prefix_repetition` datasets: random token ids, lengths
+spread by a range ratio.
 
 Lengths are uniform integers in [floor(L * (1 - r)), ceil(L * (1 + r))] (vLLM's
 RandomDataset); prompt i is the run (offset_i + i + arange(len_i)) % vocab_size.
@@ -47,6 +48,34 @@ def random_requests(
     return [
         SyntheticRequest(
             prompt_token_ids=((offsets[i] + i + np.arange(input_lens[i])) % vocab_size).tolist(),
+            output_len=int(output_lens[i]),
+        )
+        for i in range(num_prompts)
+    ]
+
+
+def prefix_requests(
+    num_prompts: int,
+    num_prefixes: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[SyntheticRequest]:
+    """Prompts that share `num_prefixes` system prompts (each of about prefix_len tokens), each followed
+    by its own question; every prefix serves num_prompts / num_prefixes requests, in shuffled order."""
+    if not 1 <= num_prefixes <= num_prompts:
+        raise ValueError(f"num_prefixes is {num_prefixes}; it must be in [1, num_prompts={num_prompts}]")
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab_size, size=n).tolist() for n in sample_lengths(rng, prefix_len, range_ratio, num_prefixes)]
+    question_lens = sample_lengths(rng, question_len, range_ratio, num_prompts)
+    output_lens = sample_lengths(rng, output_len, range_ratio, num_prompts)
+    owners = rng.permutation(np.arange(num_prompts) % num_prefixes)
+    return [
+        SyntheticRequest(
+            prompt_token_ids=prefixes[owners[i]] + rng.integers(0, vocab_size, size=question_lens[i]).tolist(),
             output_len=int(output_lens[i]),
         )
         for i in range(num_prompts)

@@ -48,13 +48,14 @@ def _params(max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
 
-def _drain(recorder: StepRecorder, ids: set[str], computed: dict[str, int]) -> None:
-    """Step until every request in `ids` finished; record how many tokens each computed."""
+def _drain(recorder: StepRecorder, ids: set[str], computed: dict[str, int], ttfts: list[float]) -> None:
+    """Step until every request in `ids` finished; record how many tokens each computed, and its TTFT."""
     while ids:
         for output in recorder.step():
             if output.finished and output.request_id in ids:
                 ids.discard(output.request_id)
                 computed[output.request_id] = len(output.outputs[0].token_ids)
+                ttfts.append(output.metrics.first_token_time - output.metrics.arrival_time)
 
 
 def run_throughput(
@@ -69,18 +70,22 @@ def run_throughput(
     recorder.records.clear()
     recorder.useful_output_len = {ids[i]: r.output_len for i, r in enumerate(requests)}
     preemptions_before = engine.scheduler.num_preemptions
+    stats_before = engine.get_stats()
     computed: dict[str, int] = {}
+    ttfts: list[float] = []
     start = time.perf_counter()
     for batch in batches:
         for i in batch:
             engine.add_request(ids[i], {"prompt_token_ids": requests[i].prompt_token_ids}, _params(max_tokens[i], i))
-        _drain(recorder, {ids[i] for i in batch}, computed)
+        _drain(recorder, {ids[i] for i in batch}, computed, ttfts)
     elapsed = time.perf_counter() - start
     wrong = [rid for rid, m in zip(ids, max_tokens) if computed[rid] != m]
     if wrong:
         raise RuntimeError(f"requests {wrong[:5]} did not run to their forced max_tokens (ignore_eos)")
     total_input = sum(r.prompt_len for r in requests)
     total_output = sum(r.output_len for r in requests)  # useful tokens only
+    stats = engine.get_stats()
+    queries = stats["prefix_cache_queries"] - stats_before["prefix_cache_queries"]
     return {
         "scheduling": scheduling,
         "num_requests": len(requests),
@@ -91,5 +96,7 @@ def run_throughput(
         "requests_per_second": len(requests) / elapsed,
         "output_throughput": total_output / elapsed,
         "total_token_throughput": (total_input + total_output) / elapsed,
+        "mean_ttft_ms": 1000 * sum(ttfts) / len(ttfts),  # from each request's arrival (all queued at the start)
+        "prefix_cache_hit_rate": (stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"]) / max(1, queries),
         **step_summary(recorder.records, engine.scheduler.num_preemptions - preemptions_before),
     }

@@ -33,6 +33,7 @@ class EngineConfig:
     # Persistent XLA compilation cache: "auto" = under cache_dir() (one folder per jax version and
     # machine), a folder, or None = off (as is CBJAX_DISABLE_COMPILE_CACHE=1).
     compilation_cache_dir: str | None = "auto"
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
 
     def __post_init__(self) -> None:

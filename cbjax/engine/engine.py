@@ -18,6 +18,7 @@ from cbjax.engine.compile_cache import enable_compile_cache
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
+from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids, shares_prompt
 from cbjax.engine.request import Request, RequestStatus
 from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
@@ -82,7 +83,7 @@ class LLMEngine:
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -92,7 +93,8 @@ class LLMEngine:
             max_num_prefills=config.max_num_prefills,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
+        self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
         # Abort ids may arrive from any thread; deque appends and pops are atomic, and step() applies
         # them between device steps, so an abort never lands inside a step.
         self.pending_aborts: collections.deque[str] = collections.deque()
@@ -112,22 +114,27 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; bad input raises ValueError and leaves the engine as it was."""
+        """Queue a request (n > 1: one child request per completion); bad input raises ValueError
+        and leaves the engine as it was."""
         params = sampling_params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        child_ids = child_request_ids(request_id, params.n)
+        in_use = [i for i in [request_id, *child_ids] if i in self.requests or i in self.parents]
+        if in_use:
+            raise ValueError(f"request_id {in_use[0]!r} is already in use; give each request a unique id")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        )
-        self.requests[request_id] = request
-        self.output_processor.add_request(request, text)
-        self.scheduler.add_request(request)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        children = [
+            Request(child_id, token_ids, child_params(params, index), self.eos_token_ids, arrival_time)
+            for index, child_id in enumerate(child_ids)
+        ]
+        parent = ParentRequest(request_id, children)
+        self.requests[request_id] = parent
+        wait_for = children[0] if shares_prompt(params, self.config.enable_prefix_caching) else None
+        for child in children:
+            self.parents[child.request_id] = parent
+            self.output_processor.add_request(child, text)
+            self.scheduler.add_request(child, wait_for if child is not children[0] else None)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -187,9 +194,12 @@ class LLMEngine:
         """Schedule, run one device step, record the tokens: the outputs of requests that progressed."""
         outputs = []
         while self.pending_aborts:
-            request = self.scheduler.abort_request(self.pending_aborts.popleft())
-            if request is not None:
-                outputs.append(self._finish_output(request))
+            parent = self.requests.get(self.pending_aborts.popleft())
+            if parent is not None:
+                for child in parent.children:
+                    self.scheduler.abort_request(child.request_id)
+                    self.runner.release_request(child.request_id)
+                outputs.append(self._finish_output(parent))
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         if not scheduled.scheduled:
@@ -199,6 +209,7 @@ class LLMEngine:
         for request_id, chunk in prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(request_id, chunk)
         self.scheduler.update(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        progressed: dict[str, ParentRequest] = {}
         for row in scheduled.scheduled:
             request = row.request
             if request.request_id not in sampled:
@@ -212,13 +223,23 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
-            outputs.append(self._finish_output(request) if request.is_finished else self.output_processor.make_output(request))
+            if request.is_finished:  # now, not with its last sibling: its penalty slot serves others
+                self.runner.release_request(request.request_id)
+            parent = self.parents[request.request_id]
+            progressed[parent.request_id] = parent
+        for parent in progressed.values():
+            outputs.append(self._finish_output(parent) if parent.finished else self.output_processor.make_output(parent))
         return outputs
 
-    def _finish_output(self, request: Request) -> RequestOutput:
-        del self.requests[request.request_id]
-        self.runner.release_request(request.request_id)
-        return self.output_processor.make_output(request)
+    def _finish_output(self, parent: ParentRequest) -> RequestOutput:
+        del self.requests[parent.request_id]
+        for child in parent.children:
+            del self.parents[child.request_id]
+        return self.output_processor.make_output(parent)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (and nothing done) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, Any]:
         return {
@@ -228,6 +249,9 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "prefix_cache_queries": self.block_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.block_manager.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.block_manager.prefix_cache_hits / max(1, self.block_manager.prefix_cache_queries),
             "attention_backend": self.backend,
             "buckets": len(self.runner.buckets),
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
 from cbjax.engine.runner import PromptLogprobsChunk, SampledToken
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -86,16 +87,33 @@ class OutputProcessor:
             entry[top_id] = Logprob(top_logprob, top_rank, decode(top_id))
         return entry
 
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, parent: ParentRequest) -> RequestOutput:
+        """One output per submitted request: a completion per child, index = its place among them."""
+        first = parent.children[0]
+        first_state = self.texts[first.request_id]
+        output = RequestOutput(
+            request_id=parent.request_id,
+            prompt=first_state.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[self._completion(child, index) for index, child in enumerate(parent.children)],
+            finished=parent.finished,
+            prompt_logprobs=None if first_state.prompt_logprobs is None else [None, *first_state.prompt_logprobs],
+            metrics=_metrics(parent.children),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        if parent.finished:
+            for child in parent.children:
+                del self.texts[child.request_id]
+        return output
+
+    def _completion(self, request: Request, index: int) -> CompletionOutput:
         state = self.texts[request.request_id]
-        if request.is_finished:
-            del self.texts[request.request_id]
         params, text = request.sampling_params, state.text
         if not request.is_finished and params.stop and not params.include_stop_str_in_output:
             # As vLLM streams: hold back the characters that may yet begin a stop string.
             text = text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
@@ -103,19 +121,17 @@ class OutputProcessor:
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
         )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.is_finished,
-            prompt_logprobs=None if state.prompt_logprobs is None else [None, *state.prompt_logprobs],
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=request.first_scheduled_time,
-                first_token_time=request.first_token_time,
-                finished_time=request.finished_time,
-                num_preemptions=request.num_preemptions,
-                num_generation_tokens=request.num_output_tokens,
-            ),
-        )
+
+
+def _metrics(children: list[Request]) -> RequestMetrics:
+    """The request's times: its first child scheduled and token, its last child finished."""
+    first = lambda times: min((t for t in times if t is not None), default=None)  # noqa: E731
+    finished = [child.finished_time for child in children]
+    return RequestMetrics(
+        arrival_time=children[0].arrival_time,
+        first_scheduled_time=first(child.first_scheduled_time for child in children),
+        first_token_time=first(child.first_token_time for child in children),
+        finished_time=None if None in finished else max(finished),
+        num_preemptions=sum(child.num_preemptions for child in children),
+        num_generation_tokens=sum(child.num_output_tokens for child in children),
+    )

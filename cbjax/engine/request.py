@@ -53,6 +53,10 @@ class Request:
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     block_ids: list[int] = field(init=False, default_factory=list)
+    # Chained hashes of the full blocks of all_token_ids (prefix caching), grown as tokens arrive.
+    block_hashes: list[int] = field(init=False, default_factory=list)
+    # Prompt tokens found in the prefix cache at first admission (vLLM's num_cached_tokens).
+    num_cached_tokens: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)
     # The stop token id, or the stop string the engine matched.
     stop_reason: int | str | None = field(init=False, default=None)

@@ -8,6 +8,11 @@ more than one token in a step (the jnp attention sizes its query tiles by it); a
 prompt chunk beyond that waits for the next step. A running request that cannot get a block
 preempts the most recently admitted running request (possibly itself) by recompute,
 and nobody new is admitted in that step.
+
+A waiting request starts after the longest chain of its blocks found in the prefix cache
+(the block manager's answer); it needs blocks only for the rest. A request can be held
+until another request has computed its prompt (the completions of one prompt, n > 1), so
+that it finds that prompt's blocks cached instead of computing them again.
 """
 
 import logging
@@ -104,6 +109,7 @@ class Scheduler:
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
+        self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
 
@@ -113,12 +119,13 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, wait_for: Request | None = None) -> None:
+        """Queue `request`; with `wait_for`, only once that request's prompt is computed (or it finished)."""
         if request.request_id in self.requests:
             raise ValueError(
                 f"request id {request.request_id!r} is already in use; give each request a unique id"
@@ -129,7 +136,10 @@ class Scheduler:
                 f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if wait_for is None:
+            self.waiting.append(request)
+        else:
+            self.held[request] = wait_for
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop an unfinished request and free its blocks; None if it is unknown or finished."""
@@ -144,6 +154,8 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.held:
+            del self.held[request]
         else:
             self.waiting.remove(request)
         self._finish(request, status)
@@ -151,6 +163,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; the block_ids of every scheduled request cover its new tokens."""
+        self._release_held()
         token_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -186,15 +199,18 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left())
-            if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens):
+            computed_blocks = self.block_manager.get_computed_blocks(request)
+            num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left(), num_cached_tokens)
+            if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens, computed_blocks):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
+                request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
-            scheduled.append(self._allocate(request, num_new_tokens))
+            scheduled.append(self._allocate(request, num_new_tokens, computed_blocks))
             token_budget -= num_new_tokens
             num_prefills += num_new_tokens > 1
 
@@ -208,6 +224,7 @@ class Scheduler:
             if request.is_finished:  # aborted between schedule() and update()
                 continue
             request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
             if not item.samples:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])
@@ -220,9 +237,11 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _num_new_tokens(self, request: Request, token_budget: int, prefills_left: bool) -> int:
-        """Tokens to compute for `request` this step; 0 if its whole remainder must wait."""
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(
+        self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0
+    ) -> int:
+        """Tokens to compute for `request` this step (after `num_cached_tokens` found cached); 0 if all must wait."""
+        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         if num_new_tokens > token_budget:
@@ -231,11 +250,18 @@ class Scheduler:
             return 0  # this step already has max_num_prefills prompt chunks
         return num_new_tokens
 
-    def _allocate(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        self.block_manager.allocate(request, num_new_tokens)
+    def _allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> ScheduledRequest:
+        self.block_manager.allocate(request, num_new_tokens, computed_blocks)
         start = request.num_computed_tokens
         samples = start + num_new_tokens == request.num_tokens
         return ScheduledRequest(request, num_new_tokens, start, samples)
+
+    def _release_held(self) -> None:
+        """Queue, first in line, the held requests whose awaited prompt is computed (or never will be)."""
+        ready = [r for r, source in self.held.items() if source.is_finished or source.num_output_tokens > 0]
+        for request in reversed(ready):
+            del self.held[request]
+            self.waiting.appendleft(request)
 
     def _preempt(self, request: Request) -> None:
         """Free `request`'s blocks and queue it first in line to recompute everything."""

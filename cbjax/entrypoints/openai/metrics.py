@@ -61,6 +61,9 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -82,6 +85,7 @@ class PrometheusStatLogger:
                                           [b for b in step_buckets if b <= max_num_batched_tokens])
         self.progress: dict[str, _Progress] = {}
         self.preemptions_seen = 0
+        self.prefix_cache_seen = (0, 0)  # the engine's (queries, hits) already counted
 
     def record_step(
         self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
@@ -91,6 +95,10 @@ class PrometheusStatLogger:
         self.kv_cache_usage.set(1.0 - stats["kv_blocks_free"] / max(stats["kv_blocks_total"], 1))
         self.num_preemptions.inc(stats["num_preemptions"] - self.preemptions_seen)
         self.preemptions_seen = stats["num_preemptions"]
+        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        self.prefix_cache_queries.inc(queries - self.prefix_cache_seen[0])
+        self.prefix_cache_hits.inc(hits - self.prefix_cache_seen[1])
+        self.prefix_cache_seen = (queries, hits)
         if num_step_tokens:
             self.iteration_tokens.observe(num_step_tokens)
         for output in outputs:
