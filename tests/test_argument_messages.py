@@ -48,7 +48,7 @@ def test_vllm_sampling_option_at_its_default_changes_nothing():
 @pytest.mark.parametrize("kwargs, message", [
     ({"quantization": "awq"}, r"LLM\(quantization='awq'\) is a vLLM option that cbjax does not support"),
     ({"trust_remote_code": True}, r"LLM\(trust_remote_code=True\) is a vLLM option that cbjax does not support"),
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is not supported"),
+    ({"pipeline_parallel_size": 2}, r"LLM\(pipeline_parallel_size=2\) is a vLLM option that cbjax does not support"),
     ({"max_num_seqs": "8"}, r"max_num_seqs must be an int, got '8' \(str\)"),
     ({"gpu_memory_utilization": "most"}, r"gpu_memory_utilization must be a number .*got 'most' \(str\)"),
     ({"no_such_option": 1}, r"unsupported options \['no_such_option'\]; supported: \["),
