@@ -7,6 +7,7 @@
 # Results: bench_results/vllm_serve_rate<R>.json and the server's log bench_results/vllm_serve.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/serve_rates.sh
 vllm_python=${CBJAX_PEER_VENVS:-downloads/peer-venvs}/vllm/bin/python
 hf=downloads/smollm2-135m-instruct-hf
 py=${PYTHON:-.venv/bin/python}
@@ -21,12 +22,5 @@ env -u PYTHONPATH HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 "$vllm_python" -P -m
   > bench_results/vllm_serve.log 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-  kill -0 "$pid" 2>/dev/null || { echo "vllm serve died; see bench_results/vllm_serve.log"; exit 1; }
-  sleep 2
-done
-for rate in "${rates[@]}"; do
-  "$py" -m cbjax.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
-    --num-prompts "${NUM_PROMPTS:-32}" --input-len 128 --output-len 128 --range-ratio 0.5 \
-    --metric-percentiles 50,99 --result-json "bench_results/vllm_serve_rate$rate.json"
-done
+wait_healthy "$pid" "$port" bench_results/vllm_serve.log
+drive_rates vllm_serve "$port" "${rates[@]}"

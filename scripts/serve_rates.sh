@@ -1,0 +1,22 @@
+# Shared by scripts/bench_{cbjax,vllm}_serve.sh (source it): wait for a server, then drive it with
+# `cbjax bench serve --base-url` at each request rate, one workload for both servers.
+#   wait_healthy PID PORT LOG            # until GET /health answers, or fail if PID died
+#   drive_rates NAME PORT RATE...        # bench_results/NAME_rate<R>.json per rate
+# Environment: PYTHON (cbjax's interpreter), NUM_PROMPTS (default 32).
+
+wait_healthy() {
+  until curl -sf "http://127.0.0.1:$2/health" > /dev/null; do
+    kill -0 "$1" 2>/dev/null || { echo "server died; see $3"; return 1; }
+    sleep 2
+  done
+}
+
+drive_rates() {
+  local name=$1 port=$2 rate
+  shift 2
+  for rate in "$@"; do
+    "$py" -m cbjax.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
+      --num-prompts "${NUM_PROMPTS:-32}" --input-len 128 --output-len 128 --range-ratio 0.5 \
+      --metric-percentiles 50,99 --result-json "bench_results/${name}_rate$rate.json"
+  done
+}
