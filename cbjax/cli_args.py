@@ -29,15 +29,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compilation-cache-dir", default=None)
     parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (one process)"
+        "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (all processes')"
     )
+    parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
+    parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
+    parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
         "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
         "kv_cache_memory_bytes "
-        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size"
+        "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
+        "coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}
 

@@ -29,9 +29,14 @@ class EngineConfig:
     max_logprobs: int = 20
     compilation_cache_dir: str | None = None  # persistent XLA compilation cache
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
+    # Multi-host (engine/multihost.py): every process gets the same options but its own process_id;
+    # process 0 serves, the others run `cbjax worker`. The mesh spans all processes' devices.
+    coordinator: str | None = None  # "HOST:PORT" of process 0, where jax.distributed's coordinator listens
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size")
+        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size", "num_processes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -14,6 +14,7 @@ from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import ModelConfig
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
+from cbjax.engine import multihost
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.request import Request, RequestStatus
@@ -37,6 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, precompile: bool = True, progress: bool = True):
         self.config = config
         config.model = str(resolve_model(config.model))
+        multihost.initialize(config)  # before any device is touched
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -81,6 +83,7 @@ class LLMEngine:
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)
+        self.step_broadcast = multihost.attach(self.runner, config)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

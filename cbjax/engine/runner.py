@@ -103,6 +103,8 @@ class ModelRunner:
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
+        self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
+        self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
 
     # ---- shapes -------------------------------------------------------------
 
@@ -157,7 +159,21 @@ class ModelRunner:
         return jax.jit(step, donate_argnums=(1,), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
+        return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
+
+    def packed_size(self, bucket: Bucket) -> int:
+        return self._layouts[bucket].size
+
+    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"]) -> jax.Array:
+        """Start one step on the packed inputs; its packed result (fully replicated, so any process reads it).
+
+        The one place a step is launched: a multi-host leader first sends the step to the workers,
+        which then launch the same step on their own devices.
+        """
+        if self.step_broadcast is not None:
+            self.step_broadcast.send_step(self._bucket_index[bucket], packed)
+        self.kv_caches, result = self._executable(bucket)(self.weights, self.kv_caches, packed)
+        return result
 
     def precompile(self, progress: bool = True) -> None:
         """Compile every bucket now, so that serving never compiles.
@@ -284,7 +300,7 @@ class ModelRunner:
         """Run one step; the sampled token of every request that samples in it."""
         bucket, inputs = self.prepare(scheduled)
         packed = pack(inputs)
-        self.kv_caches, result = self._executable(bucket)(self.weights, self.kv_caches, packed)
+        result = self.launch(bucket, packed)
         out: SamplerOutput = unpack_host(np.asarray(result), self._out_layouts[bucket])
         sampled = {}
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
