@@ -1,7 +1,7 @@
 """Process 0 of the 2-process test (see test_multihost.py): serve greedy requests, print one JSON line.
 
-argv: CHECKPOINT COORDINATOR MODE, MODE "serve" (generate, then exit, which stops the worker) or
-"hang" (print READY once the engine is up, then wait to be killed).
+argv: CHECKPOINT COORDINATOR MODE, MODE "exit" (generate, print, exit: that stops the worker) or
+"stay" (generate, print, then wait to be killed: the worker must end with an error).
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from cbjax import LLM, SamplingParams  # noqa: E402
 def main() -> None:
     checkpoint, coordinator, mode = sys.argv[1:]
     llm = LLM(checkpoint, coordinator=coordinator, num_processes=2, process_id=0, **ENGINE_OPTIONS)
-    if mode == "hang":
-        print("READY", flush=True)
-        time.sleep(600)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts()],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -38,6 +35,8 @@ def main() -> None:
         "pool_local_shard_shapes": sorted({tuple(s.data.shape) for s in k_pages.addressable_shards}),
         "pool_shape": list(k_pages.shape),
     }), flush=True)
+    if mode == "stay":
+        time.sleep(600)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ tokenizer and the front end; before each step it broadcasts one int32 buffer thr
 index and the step's packed inputs. The other processes (`cbjax worker`) only wait for that
 buffer and run the step it names, until the control word says to stop.
 
-A dead peer ends every process: jax.distributed's heartbeats (HEARTBEAT_TIMEOUT_S) make the
-coordination service stop each survivor with an error naming the missing process, instead of
-leaving it blocked in a collective.
+A dead peer ends every process with an error, never a hang: a survivor waiting in the step's
+collective fails at once when gloo/NCCL loses the connection (measured: a worker whose leader is
+SIGKILLed aborts within a second, "Gloo all-reduce failed: Connection closed by peer"), and
+jax.distributed's heartbeats (HEARTBEAT_TIMEOUT_S) stop every process that has lost a peer while
+outside a collective. A leader that exits normally tells the workers to stop (exit status 0).
 """
 
 from __future__ import annotations

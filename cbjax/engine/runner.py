@@ -216,7 +216,10 @@ class ModelRunner:
         also sets up the library calls inside the attention's KV loop on their first run, so the
         warm-up request attends to one position (all-padding inputs would skip the loop's body).
         """
-        for bucket, compiled in self.compiled.items():
+        # In bucket order, not compile-completion order: every process of a multi-host engine must
+        # run the same steps (collectives) in the same order.
+        for bucket in sorted(self.compiled, key=self._bucket_index.__getitem__):
+            compiled = self.compiled[bucket]
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
