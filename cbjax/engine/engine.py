@@ -12,9 +12,9 @@ import jax
 from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import ModelConfig
+from cbjax.engine import multihost
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.config import EngineConfig
-from cbjax.engine import multihost
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.request import Request, RequestStatus
