@@ -1,4 +1,4 @@
-"""`cbjax convert | import-gguf | generate | serve | lower | plan | bench`."""
+"""`cbjax convert | import-gguf | generate | serve | lower | worker | plan | bench`."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def cmd_lower(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cmd_worker(args: argparse.Namespace) -> None:
+    from cbjax.engine.multihost import run_worker
+
+    run_worker(args.model, engine_options(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine decisions (INFO)")
@@ -111,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--platform", default="cuda")
     p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
     p.set_defaults(func=cmd_lower)
+
+    p = sub.add_parser("worker", help="multi-host: a process > 0 that runs process 0's steps on its own devices")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_worker)
 
     add_plan_parser(sub)
     add_bench_parser(sub)

@@ -35,6 +35,11 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
+    # Multi-host (engine/multihost.py): every process gets the same options but its own process_id;
+    # process 0 serves, the others run `cbjax worker`. The mesh spans all processes' devices.
+    coordinator: str | None = None  # "HOST:PORT" of process 0, where jax.distributed's coordinator listens
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -47,7 +52,7 @@ class EngineConfig:
                 setattr(self, field.name, os.fspath(value))
             elif field.type in ("str", "str | None") and value is not None and not isinstance(value, str):
                 raise ArgumentTypeError(f"{field.name} must be a str, got {describe(value)}")
-        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size")
+        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size", "num_processes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -13,6 +13,7 @@ from flax import nnx
 from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import ModelConfig
+from cbjax.engine import multihost
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.compile_cache import enable_compile_cache
 from cbjax.engine.config import EngineConfig
@@ -40,6 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, precompile: bool = True, progress: bool = True):
         self.config = config
         config.model = str(resolve_model(config.model))
+        multihost.initialize(config)  # before any device is touched
         device = jax.devices()[0]
         enable_compile_cache(config.compilation_cache_dir, device)
         dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
@@ -83,6 +85,7 @@ class LLMEngine:
             reserved_bytes=reserved_bytes,
         )
         self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)
+        self.step_broadcast = multihost.attach(self.runner, config)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

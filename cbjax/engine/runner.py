@@ -135,6 +135,8 @@ class ModelRunner:
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
+        self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
+        self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
 
     # ---- shapes -------------------------------------------------------------
 
@@ -198,7 +200,23 @@ class ModelRunner:
         return jax.jit(step, donate_argnums=(1, 2), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self._layouts[bucket].size,), jnp.int32)
+        return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
+
+    def packed_size(self, bucket: Bucket) -> int:
+        return self._layouts[bucket].size
+
+    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"]) -> jax.Array:
+        """Start one step on the packed inputs; its packed result (fully replicated, so any process reads it).
+
+        The one place a step is launched: a multi-host leader first sends the step to the workers,
+        which then launch the same step on their own devices.
+        """
+        if self.step_broadcast is not None:
+            self.step_broadcast.send_step(self._bucket_index[bucket], packed)
+        self.kv_caches, self.penalty_state, result = self._executable(bucket)(
+            self.weights, self.kv_caches, self.penalty_state, packed
+        )
+        return result
 
     def precompile(self, progress: bool = True) -> None:
         """Compile every bucket now, so that serving never compiles.
@@ -246,7 +264,10 @@ class ModelRunner:
         also sets up the library calls inside the attention's KV loop on their first run, so the
         warm-up request attends to one position (all-padding inputs would skip the loop's body).
         """
-        for bucket, compiled in self.compiled.items():
+        # In bucket order, not compile-completion order: every process of a multi-host engine must
+        # run the same steps (collectives) in the same order.
+        for bucket in sorted(self.compiled, key=self._bucket_index.__getitem__):
+            compiled = self.compiled[bucket]
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
@@ -346,9 +367,7 @@ class ModelRunner:
         logprobs scored in it for requests that asked for them."""
         bucket, inputs = self.prepare(scheduled)
         packed = pack(inputs)
-        self.kv_caches, self.penalty_state, result = self._executable(bucket)(
-            self.weights, self.kv_caches, self.penalty_state, packed
-        )
+        result = self.launch(bucket, packed)
         out: StepOutputs = unpack_host(np.asarray(result), self._out_layouts[bucket])
         sampled, logprobs = {}, out.sampled.logprobs
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):

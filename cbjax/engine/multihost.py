@@ -1,0 +1,143 @@
+"""Several processes, one engine: jax.distributed multi-controller SPMD.
+
+Every process loads its own shards of the weights and the KV pool (one mesh over all processes'
+devices) and runs the same compiled steps. Process 0 (the leader) owns the scheduler, the
+tokenizer and the front end; before each step it broadcasts one int32 buffer through JAX itself
+(multihost_utils.broadcast_one_to_all, a psum over a tiny array): a control word, the bucket's
+index and the step's packed inputs. The other processes (`cbjax worker`) only wait for that
+buffer and run the step it names, until the control word says to stop.
+
+A dead peer ends every process with an error, never a hang: a survivor waiting in the step's
+collective fails at once when gloo/NCCL loses the connection (measured: a worker whose leader is
+SIGKILLed aborts within a second, "Gloo all-reduce failed: Connection closed by peer"), and
+jax.distributed's heartbeats (HEARTBEAT_TIMEOUT_S) stop every process that has lost a peer while
+outside a collective. A leader that exits normally tells the workers to stop (exit status 0).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jaxtyping import Int
+
+if TYPE_CHECKING:
+    from cbjax.engine.config import EngineConfig
+    from cbjax.engine.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+RUN_STEP, SHUTDOWN = 1, 2  # the control word, the buffer's first int32
+HEADER = 2  # control word, bucket index
+# Short, so that a dead peer ends the others within seconds rather than jax's default 100 s.
+HEARTBEAT_TIMEOUT_S = 10
+INITIALIZATION_TIMEOUT_S = 120  # every process must have joined by then
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def initialize(config: EngineConfig) -> None:
+    """Join the processes of a multi-host engine (a no-op for one process); before any device is used."""
+    if config.num_processes == 1:
+        return
+    if config.coordinator is None:
+        raise ValueError(
+            f"num_processes={config.num_processes} needs coordinator='HOST:PORT' (process 0's address, the same "
+            "in every process)"
+        )
+    if not 0 <= config.process_id < config.num_processes:
+        raise ValueError(
+            f"process_id={config.process_id} is outside [0, num_processes={config.num_processes}); "
+            "give each process its own id, 0 for the one that serves"
+        )
+    # XLA:CPU runs cross-process collectives only through gloo (tests and CPU hosts); GPUs use NCCL.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        initialization_timeout=INITIALIZATION_TIMEOUT_S,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )
+    logger.info(
+        "process %d of %d joined %s: %d local devices, %d in all",
+        config.process_id, config.num_processes, config.coordinator, jax.local_device_count(), jax.device_count(),
+    )
+
+
+class StepBroadcast:
+    """The leader's and the workers' ends of the per-step buffer [control, bucket index, packed...]."""
+
+    def __init__(self, packed_sizes: list[int]):
+        self.packed_sizes = packed_sizes  # per bucket, in the runner's bucket order
+        self.width = HEADER + max(packed_sizes)  # one shape, so the broadcast compiles once
+        self.closed = False
+
+    def send_step(self, bucket_index: int, packed: Int[np.ndarray, "size"]) -> None:
+        buffer = np.zeros(self.width, np.int32)
+        buffer[:HEADER] = (RUN_STEP, bucket_index)
+        buffer[HEADER : HEADER + packed.size] = packed
+        multihost_utils.broadcast_one_to_all(buffer)
+
+    def send_shutdown(self) -> None:
+        """Tell every worker to exit (once; at interpreter exit at the latest)."""
+        if self.closed:
+            return
+        self.closed = True
+        buffer = np.zeros(self.width, np.int32)
+        buffer[0] = SHUTDOWN
+        multihost_utils.broadcast_one_to_all(buffer)
+
+    def receive(self) -> tuple[int, Int[np.ndarray, "size"]] | None:
+        """The next step's (bucket index, packed inputs), or None when the leader shuts down."""
+        buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.width, np.int32)))
+        control, bucket_index = int(buffer[0]), int(buffer[1])
+        if control == SHUTDOWN:
+            return None
+        if control != RUN_STEP or not 0 <= bucket_index < len(self.packed_sizes):
+            raise RuntimeError(
+                f"step buffer with control word {control} and bucket {bucket_index} (of {len(self.packed_sizes)}): "
+                "the leader runs another engine configuration; start every process with the same engine options"
+            )
+        return bucket_index, buffer[HEADER : HEADER + self.packed_sizes[bucket_index]]
+
+
+def attach(runner: ModelRunner, config: EngineConfig) -> StepBroadcast | None:
+    """Give a multi-host engine's runner its broadcast; on the leader it also stops the workers at exit."""
+    if config.num_processes == 1:
+        return None
+    broadcast = StepBroadcast([runner.packed_size(bucket) for bucket in runner.buckets])
+    if config.process_id == 0:
+        runner.step_broadcast = broadcast
+        atexit.register(broadcast.send_shutdown)  # before jax.distributed's own exit hook, which runs later
+    return broadcast
+
+
+def serve_steps(runner: ModelRunner, broadcast: StepBroadcast) -> int:
+    """A worker's loop: run each step the leader names until it shuts down; the number of steps run."""
+    num_steps = 0
+    while (step := broadcast.receive()) is not None:
+        bucket_index, packed = step
+        runner.launch(runner.buckets[bucket_index], packed)
+        num_steps += 1
+    logger.info("the leader shut down after %d steps", num_steps)
+    return num_steps
+
+
+def run_worker(model: str, options: dict) -> None:
+    """`cbjax worker`: build the same engine as process 0 (its own shards), then run its steps."""
+    from cbjax.engine.config import EngineConfig
+    from cbjax.engine.engine import LLMEngine
+
+    config = EngineConfig(model=model, **options)
+    if config.num_processes < 2 or config.process_id == 0:
+        raise ValueError(
+            f"cbjax worker needs --num-processes >= 2 and --process-id >= 1, got {config.num_processes} and "
+            f"{config.process_id}; process 0 serves (cbjax serve / generate, or LLM(...) with the same options)"
+        )
+    engine = LLMEngine(config, progress=False)
+    serve_steps(engine.runner, engine.step_broadcast)

@@ -1,0 +1,43 @@
+"""Process 0 of the 2-process test (see test_multihost.py): serve greedy requests, print one JSON line.
+
+argv: CHECKPOINT COORDINATOR MODE, MODE "exit" (generate, print, exit: that stops the worker) or
+"stay" (generate, print, then wait to be killed: the worker must end with an error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
+
+from multihost_options import ENGINE_OPTIONS, MAX_TOKENS, prompts  # noqa: E402
+
+from cbjax import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    checkpoint, coordinator, mode = sys.argv[1:]
+    llm = LLM(checkpoint, coordinator=coordinator, num_processes=2, process_id=0, **ENGINE_OPTIONS)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts()],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    runner = llm.llm_engine.runner
+    k_pages = runner.kv_caches[0][0]
+    print("RESULT " + json.dumps({
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+        "num_preemptions": llm.get_stats()["num_preemptions"],
+        "pool_devices": sorted(f"{d.process_index}:{d.id}" for d in k_pages.sharding.device_set),
+        "pool_local_shard_shapes": sorted({tuple(s.data.shape) for s in k_pages.addressable_shards}),
+        "pool_shape": list(k_pages.shape),
+    }), flush=True)
+    if mode == "stay":
+        time.sleep(600)
+
+
+if __name__ == "__main__":
+    main()
