@@ -121,3 +121,12 @@ def test_reused_vllm_records_must_cover_the_current_cases(tmp_path):
     changed = case | {"params": {"temperature": 0.0, "max_tokens": 5}}  # same name, different request
     with pytest.raises(SystemExit, match="no vLLM record of the current \\['g', 'g#probe'\\]"):
         reused_vllm_records(saved, [changed] + probes([changed]))
+
+
+def test_a_greedy_n_that_vllm_refuses_must_give_equal_outputs_in_cbjax():
+    case = {"name": "n", "prompt": "x", "params": {"temperature": 0.0, "n": 2}, "compare": "cbjax_extends"}
+    refused = {"n": {"error": "n must be 1 when using greedy sampling"}}
+    equal = record(output([10, 11], "ab"), output([10, 11], "ab", index=1))
+    assert compare_case(case, refused, {"n": equal}) == []
+    differing = record(output([10, 11], "ab"), output([10, 12], "ac", index=1))
+    assert kinds(compare_case(case, refused, {"n": differing})) == [("greedy n outputs", "defect")]

@@ -173,6 +173,11 @@ def compare_case(case: dict, vllm: dict[str, Record], cbjax: dict[str, Record]) 
     """All disagreements of one case, given each engine's records of every case by name."""
     name, mode = case["name"], case.get("compare", "exact")
     v, c = vllm[name], cbjax[name]
+    if mode == "cbjax_extends" and "error" in v and "error" not in c:
+        outputs = [(o["token_ids"], o["text"]) for o in c.get("outputs", [])]
+        if len(set(map(repr, outputs))) == 1:
+            return []  # an extension of vLLM's behaviour, and its greedy outputs agree with each other
+        return [Disagreement(name, "greedy n outputs", "defect", "refused", outputs)]
     if "error" in v or "error" in c:
         if "error" in v and "error" in c:
             return []  # both refuse: agreement
