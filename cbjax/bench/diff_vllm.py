@@ -151,8 +151,9 @@ def print_report(summary: dict, disagreements: list[dict]) -> None:
 def reused_vllm_records(path: pathlib.Path, cases: list[dict]) -> dict:
     """vLLM's side from an earlier run, when it ran exactly these requests (vLLM does not change between runs; cbjax does)."""
     saved = json.loads(path.read_text())
-    saved_cases = {c["name"]: c for c in saved["cases"] + probes(saved["cases"])}
-    stale = [c["name"] for c in cases if saved_cases.get(c["name"]) != c or c["name"] not in saved["vllm"]]
+    request = lambda case: {k: v for k, v in case.items() if k != "compare"}  # noqa: E731 - how it is compared is no request
+    saved_cases = {c["name"]: request(c) for c in saved["cases"] + probes(saved["cases"])}
+    stale = [c["name"] for c in cases if saved_cases.get(c["name"]) != request(c) or c["name"] not in saved["vllm"]]
     if stale:
         sys.exit(f"{path} has no vLLM record of the current {stale[:5]} ({len(stale)} cases); run without --reuse-vllm")
     return {"version": saved["summary"]["vllm_version"], "results": saved["vllm"]}
