@@ -138,7 +138,12 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         if on and off:
             ratio = on["output_throughput"] / off["output_throughput"]
             result[f"{scheduling}_caching_on_over_off_output_throughput"] = ratio
-            print(f"{scheduling}: prefix caching on / off output throughput {ratio:.3f}x, "
+            # Each repeat's on and off ran back to back, so their ratio cancels load that drifts between repeats.
+            by_run = {(r["variant"], r["repeat"]): r["output_throughput"] for r in runs}
+            pairs = [by_run[f"{scheduling} caching-on", i] / by_run[f"{scheduling} caching-off", i] for i in range(args.repeats)]
+            result[f"{scheduling}_caching_on_over_off_pair_ratios"] = pairs
+            print(f"{scheduling}: prefix caching on / off output throughput {ratio:.3f}x (median of per-repeat pair "
+                  f"ratios {statistics.median(pairs):.3f}x, range {min(pairs):.3f}-{max(pairs):.3f}), "
                   f"mean TTFT {on['mean_ttft_ms']:.0f} vs {off['mean_ttft_ms']:.0f} ms")
     write_json(args.result_json, result)
     if args.plot:

@@ -2,9 +2,11 @@
 
     python -m cbjax.bench.peers --install            # once: venvs under $CBJAX_PEER_VENVS (default downloads/peer-venvs, git-ignored)
     python -m cbjax.bench.peers --num-prompts 32 --input-len 128 --output-len 128 --range-ratio 0.5
+    python -m cbjax.bench.peers --systems cbjax vllm --dataset prefix --num-prefixes 4 --prefix-len 512 --question-len 32
 
 Every system gets the same synthetic requests (`cbjax.bench.dataset.random_requests`:
-the same token ids, the same output lengths forced with ignore_eos) on the same
+the same token ids, the same output lengths forced with ignore_eos; `--dataset prefix`: `prefix_requests`,
+shared system prompts, with prefix caching on in both cbjax and vLLM) on the same
 SmolLM2-135M-Instruct weights (cbjax: the converted checkpoint; the peers: the HF
 directory it was converted from). Each peer runs in its own virtualenv as a
 subprocess of this script (`--worker NAME`), so neither is ever a dependency of
@@ -100,6 +102,7 @@ def worker_cbjax(spec: dict) -> dict:
         spec["model"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], compilation_cache_dir=".jax_cache",
         dtype=spec["cbjax_dtype"], kv_cache_dtype=spec["cbjax_kv_cache_dtype"],
+        enable_prefix_caching=spec["prefix_caching"],
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -109,6 +112,7 @@ def worker_cbjax(spec: dict) -> dict:
 
     warm = warm_up_requests(spec["requests"])
     drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
+    llm.reset_prefix_cache()  # warm-up cached the prompts' first blocks; the measured run starts cold
     result = drive_engine(engine.add_request, engine.step, spec["requests"], params)
     return {"startup_s": startup, "attention_backend": engine.backend, **result}
 
@@ -120,7 +124,7 @@ def worker_vllm(spec: dict) -> dict:
     llm = LLM(
         model=spec["hf_dir"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], dtype=spec["vllm_dtype"], seed=0,
-        enforce_eager=spec["vllm_enforce_eager"],
+        enforce_eager=spec["vllm_enforce_eager"], enable_prefix_caching=spec["prefix_caching"],
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -132,6 +136,7 @@ def worker_vllm(spec: dict) -> dict:
 
     warm = warm_up_requests(spec["requests"])
     drive_engine(engine.add_request, engine.step, warm, params, prefix="warmup-")
+    llm.reset_prefix_cache()  # warm-up cached the prompts' first blocks; the measured run starts cold
     result = drive_engine(engine.add_request, engine.step, spec["requests"], params)
     return {"startup_s": startup, "dtype": str(llm.llm_engine.model_config.dtype), **result}
 
@@ -208,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--dataset", choices=["random", "prefix"], default="random", help="prefix: shared system prompts")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="--dataset prefix: distinct shared prefixes")
+    parser.add_argument("--prefix-len", type=int, default=512, help="--dataset prefix: tokens per shared prefix")
+    parser.add_argument("--question-len", type=int, default=32, help="--dataset prefix: tokens after the prefix")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on", help="in cbjax and vLLM alike")
     parser.add_argument("--dataset-seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -237,20 +247,27 @@ def main(argv: list[str] | None = None) -> None:
             install(name)
         return
 
-    from cbjax.bench.dataset import random_requests
+    from cbjax.bench.dataset import prefix_requests, random_requests
     from cbjax.config import ModelConfig
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+    if args.dataset == "prefix":
+        requests = prefix_requests(
+            args.num_prompts, args.num_prefixes, args.prefix_len, args.question_len, args.output_len,
+            args.range_ratio, vocab, args.dataset_seed,
+        )
+    else:
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
     spec = {
         "model": args.model, "hf_dir": args.hf_dir, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
         "vllm_dtype": args.vllm_dtype, "cbjax_dtype": args.cbjax_dtype, "cbjax_kv_cache_dtype": args.cbjax_kv_cache_dtype, "vllm_enforce_eager": args.vllm_enforce_eager, "torch_threads": args.torch_threads,
+        "prefix_caching": args.prefix_caching == "on",
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
     }
     work = VENV_ROOT / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    spec_path = work / "spec.json"
+    spec_path = work / f"spec-{os.getpid()}.json"  # several checkouts share $CBJAX_PEER_VENVS/runs
     spec_path.write_text(json.dumps(spec))
     total_input = sum(r.prompt_len for r in requests)
     total_output = sum(r.output_len for r in requests)
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for name in args.systems:
             print(f"[{repeat}] running {name} ...", flush=True)
-            runs[name].append(run_system(name, spec_path, work / f"{name}-{repeat}.json", args.timeout))
+            runs[name].append(run_system(name, spec_path, work / f"{name}-{repeat}-{os.getpid()}.json", args.timeout))
             if "error" in runs[name][-1]:
                 print(f"  {name} failed: {runs[name][-1]['error']}")
     table = {}
@@ -277,7 +294,10 @@ def main(argv: list[str] | None = None) -> None:
             "startup_s": median([r["startup_s"] for r in ok]),
         }
     base = table.get("cbjax", {})
-    print(f"\n{args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, range ratio {args.range_ratio}; "
+    shape = (f"{args.num_prefixes} prefixes of {args.prefix_len} + questions of {args.question_len}"
+             if args.dataset == "prefix" else f"input {args.input_len}")
+    print(f"\n{args.num_prompts} prompts, {shape}, output {args.output_len}, range ratio {args.range_ratio}; "
+          f"prefix caching {args.prefix_caching}; "
           f"max_num_seqs {args.max_num_seqs}; medians of {args.repeats} round(s)")
     header = f"{'system':<13}{'out tok/s':>10}{'total tok/s':>12}{'elapsed s':>10}{'mean E2EL s':>12}{'mean TTFT s':>12}" \
              f"{'startup s':>10}{'tok/s vs cbjax':>15}{'E2EL vs cbjax':>14}"

@@ -14,14 +14,14 @@ import argparse
 import json
 import statistics
 import time
-from types import SimpleNamespace
 
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.request import Request
+from cbjax.sampling_params import SamplingParams
 
 
 def decode_step_times(enable_caching: bool, num_requests: int, prompt_len: int, steps: int, block_size: int) -> list[float]:
-    params = SimpleNamespace(has_penalties=False)
+    params = SamplingParams()  # the real params: the block manager reads more of them than it once did
     num_blocks = num_requests * (-(-(prompt_len + steps) // block_size)) + 1
     manager = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
     requests = [Request(str(i), [i * prompt_len + j for j in range(prompt_len)], params) for i in range(num_requests)]
