@@ -17,6 +17,13 @@ def has_gpu() -> bool:
         return False
 
 
+if has_gpu():
+    # XLA on NVIDIA GPUs gives float32 dots TF32 inputs by default; the tests' float32 references
+    # (jnp attention, numpy, transformers on CPU) are exact, and so is the engine at float32
+    # (cbjax/engine/runner.py: matmul_precision), so the test code's own dots must be too.
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

@@ -10,6 +10,7 @@ one buffer (one transfer out).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -33,6 +34,7 @@ from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.models.llama import init_kv_caches
 from kernels_pallas.backend import AttentionPlan
+from kernels_pallas.lowering import lowering_target
 from kernels_pallas.reference import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,17 @@ def kv_cache_dtype(requested: str, model: nnx.Module) -> jnp.dtype:
     return model.activation_dtype if requested == "auto" else jnp.dtype(requested)
 
 
+def matmul_precision(activation_dtype: Any, platform: str) -> str | None:
+    """"highest" where float32 activations would otherwise get float32 dots of lower precision.
+
+    XLA on NVIDIA GPUs computes float32 dots with TF32 by default (10-bit mantissa inputs), which
+    moves float32 logits by about 1e-3 and changes greedy outputs; PyTorch, and so vLLM, keep
+    float32 matmuls in full float32 unless asked. On CPUs float32 dots are already full precision,
+    and 16-bit activations gain nothing, so the default stays there.
+    """
+    return "highest" if platform != "cpu" and jnp.dtype(activation_dtype) == jnp.float32 else None
+
+
 def request_seed(engine_seed: int, request_id: str, seed: int | None) -> int:
     """A request's own seed, or one derived from the engine seed and its id (stable across runs)."""
     if seed is not None:
@@ -137,6 +150,7 @@ class ModelRunner:
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
         self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
+        self.matmul_precision = matmul_precision(model.activation_dtype, jax.devices()[0].platform)
 
     # ---- shapes -------------------------------------------------------------
 
@@ -236,9 +250,10 @@ class ModelRunner:
         self.warm_up()
 
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
-        return self._step_fn(bucket, self.backend).lower(
-            self.weights, self.kv_caches, self.penalty_state, self._packed_struct(bucket)
-        )
+        with jax.default_matmul_precision(self.matmul_precision):  # read while tracing: every dot of the step
+            return self._step_fn(bucket, self.backend).lower(
+                self.weights, self.kv_caches, self.penalty_state, self._packed_struct(bucket)
+            )
 
     def _executable(self, bucket: Bucket) -> Any:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
@@ -290,9 +305,12 @@ class ModelRunner:
         results = []
         for bucket in self.buckets:
             try:
-                self._step_fn(bucket, backend).trace(weights, kv_caches, penalty_state, self._packed_struct(bucket)).lower(
-                    lowering_platforms=(platform,)
-                )
+                # Under TP the step carries its own concrete mesh, which an abstract target would contradict.
+                target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
+                with jax.default_matmul_precision(self.matmul_precision), target:
+                    self._step_fn(bucket, backend).trace(weights, kv_caches, penalty_state, self._packed_struct(bucket)).lower(
+                        lowering_platforms=(platform,)
+                    )
                 results.append((bucket, None))
             except Exception as error:  # noqa: BLE001 - reported per bucket by the CLI
                 results.append((bucket, error))
