@@ -114,7 +114,10 @@ def online_softmax_step(carry, q, k, v, visible, sm_scale: float):
     The caller guarantees each row's first folded tile has a visible key, so the running max is finite.
     """
     m, l, acc = carry
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # A pool dtype other than the activations' (an f16 pool under bf16 or f32 activations) meets q
+    # here; Triton's dot takes one element type, so both go to the type that holds either exactly.
+    common = jnp.promote_types(q.dtype, k.dtype)
+    s = jax.lax.dot_general(q.astype(common), k.astype(common), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = jnp.where(visible, s * sm_scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
