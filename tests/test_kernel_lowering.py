@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas.lowering import lowering_target
 from kernels_pallas.paged_attention import paged_decode_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import AttentionMetadata
@@ -21,7 +22,8 @@ SDS = jax.ShapeDtypeStruct
 
 
 def lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with lowering_target("cuda"):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def pool(num_kv_heads: int, head_dim: int, block_size: int, dtype, num_blocks: int = 64) -> SDS:

@@ -1,0 +1,25 @@
+"""Lowering the kernels for a GPU on a machine that has none (`cbjax lower`, the lowering tests)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+# Triton's lowering rules depend on the GPU generation; any Hopper part gives the same rules.
+DEFAULT_CUDA_TARGET = "NVIDIA H100"
+
+
+def lowering_target(platform: str, device_kind: str = DEFAULT_CUDA_TARGET) -> contextlib.AbstractContextManager:
+    """A context in which `.lower(lowering_platforms=(platform,))` can lower Pallas-Triton kernels.
+
+    From jax 0.11 on, the Triton lowering asks the GPU's kind from the device it runs on, and
+    without a GPU it fails ("No supported GPU devices found, please specify an abstract GPU
+    device"); an abstract mesh naming the target device answers it. Other platforms, and jax
+    versions without abstract devices, need nothing.
+    """
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if platform != "cuda" or abstract_device is None or any(d.platform == "gpu" for d in jax.devices()):
+        return contextlib.nullcontext()
+    target = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=target))
