@@ -25,7 +25,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cbjax.cli", "serve", str(model), "--port", str(self.port), *flags]
-        environment = os.environ | {"PYTHONPATH": str(REPO)} | (env or {})
+        environment = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])} | (env or {})
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=environment)
         self.lines: queue.Queue[str | None] = queue.Queue()

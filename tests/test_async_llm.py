@@ -20,7 +20,7 @@ from cbjax.engine.engine import LLMEngine
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.serving import ServerState
 
-OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_kv_blocks=80)
+OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_kv_blocks=80, dtype="float32")
 PROMPT = [5, 17, 42, 99, 7, 3, 250]
 
 

@@ -8,7 +8,8 @@ from tiny_checkpoint import make_tiny_checkpoint
 from cbjax import LLM, SamplingParams
 from cbjax.cli import main
 
-ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16"]
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16",
+                "--dtype", "float32", "--num-kv-blocks", "40"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,6 @@ def test_lower_every_bucket_for_cuda_with_the_pallas_kernels(checkpoint, capsys)
 def test_generate_streams_what_the_api_returns(checkpoint, capsys):
     main(["generate", "--model", checkpoint, *ENGINE_FLAGS, "--prompt", "Once upon a time", "--max-tokens", "12"])
     streamed = capsys.readouterr().out
-    llm = LLM(checkpoint, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=16)
+    llm = LLM(checkpoint, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=16, dtype="float32", num_kv_blocks=40)
     (out,) = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert streamed == out.outputs[0].text + "\n"

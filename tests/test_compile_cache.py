@@ -36,7 +36,7 @@ print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/
 
 
 def run_engine_process(checkpoint: Path, cache: Path) -> dict:
-    env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     env.pop(DISABLE_ENV, None)
     result = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], env=env, capture_output=True, text=True,
                             timeout=600, check=False)

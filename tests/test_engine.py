@@ -13,8 +13,10 @@ from tiny_checkpoint import make_tiny_checkpoint
 from cbjax import LLM, SamplingParams
 
 MAX_MODEL_LEN = 128
+# float32 as the transformers reference (dtype "auto" is bfloat16 on a GPU, as in vLLM).
 ENGINE_OPTIONS = dict(
-    max_num_seqs=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32, block_size=8, num_kv_blocks=80
+    max_num_seqs=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32, block_size=8, num_kv_blocks=80,
+    dtype="float32",
 )
 
 

@@ -42,6 +42,7 @@ def run(tmp_path_factory) -> dict:
         os.environ,
         PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]),
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",  # virtual CPU devices by design, also on a GPU host
     )
     worker = subprocess.Popen(
         [sys.executable, "-m", "cbjax.cli", "worker", "--model", str(ckpt), "--coordinator", coordinator,

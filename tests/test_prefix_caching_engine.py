@@ -17,7 +17,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 from cbjax import LLM, SamplingParams
 
 BLOCK_SIZE = 8
-ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, block_size=BLOCK_SIZE)
+ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, block_size=BLOCK_SIZE, dtype="float32")
 SMALL_POOL = 16  # 15 usable blocks of 8 tokens: 120 tokens for workloads of several hundred
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -16,7 +16,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
 
-ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, block_size=8, num_kv_blocks=80)
+ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, block_size=8, num_kv_blocks=80, dtype="float32")
 LENGTHS = [9, 17, 40, 70]
 NUM_TOP = 3
 

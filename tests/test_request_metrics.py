@@ -27,7 +27,7 @@ def test_latencies_not_yet_known_are_none():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("metrics"))[1]
-    llm = LLM(str(checkpoint), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8)
+    llm = LLM(str(checkpoint), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8, num_kv_blocks=40)
     return llm.llm_engine
 
 

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 API_KEY = "test-key"
 MAX_MODEL_LEN = 128
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "32",
-                "--block-size", "8", "--num-kv-blocks", "80"]
+                "--block-size", "8", "--num-kv-blocks", "80", "--dtype", "float32"]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [12, 13, 14], [200, 201, 8, 9, 10, 11, 77, 78, 79], [30]]
 GREEDY = {"temperature": 0.0, "max_tokens": 10}
 NO_EOS = {"ignore_eos": True}
