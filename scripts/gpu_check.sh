@@ -1,16 +1,90 @@
 #!/usr/bin/env bash
-# One call on a GPU host (the device tool's machine): the whole test suite (the auto backend
-# picks the compiled Pallas kernels there), the kernel benchmark, the engine decode benchmark.
-# Writes JSON results under ${OUT:-gpu_results}/ and prints a short table of each.
-#   device run: bash scripts/gpu_check.sh   (about 10 minutes on an H200)
+# One call on a GPU host (the device tool's machine): the compiled Pallas kernels against the
+# reference (pytest -m gpu), the kernel benchmark, the engine decode step at Llama-3-8B shapes,
+# whole-engine throughput on a random-weight Llama-3.2-1B-shaped model (Pallas vs XLA attention),
+# a tensor-parallel run where there are several GPUs, then as much of the full suite as time leaves.
+# Writes logs and JSON under ${OUT:-gpu_results}/ and prints a short table of each.
+#
+#   device run, from the repo root (GPU_CHECK_SECONDS, default 400, bounds the whole run):
+#     bash scripts/gpu_check.sh
+#   carrying .whl (wheels of the server's and the GGUF reader's packages, which the GPU image lacks)
+#   and .gpu_carry/tokenizer (a tokenizer.json for the engine run), prepared here with
+#     bash scripts/gpu_carry.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.
 out=${OUT:-gpu_results}
 mkdir -p "$out"
-echo "== tests (CPU-only real-model tests skip without downloads/)"
-timeout 240 python3 -m pytest -q -x 2>&1 | tail -15
-echo "== kernels: bandwidth vs device copy and vs jax.experimental.pallas.ops.gpu.paged_attention"
-timeout 220 python3 -m cbjax.bench.kernels --no-tests --max-seconds 180 --out "$out/kernels.json" 2>&1 | tail -40
-echo "== engine decode step, Llama-3-8B shapes, bf16, against the bandwidth floor"
-timeout 200 python3 -m cbjax.bench.gpu_engine --out "$out/engine_gpu.json" 2>&1 | tail -8
+export PYTHONUNBUFFERED=1 CBJAX_CACHE_DIR=/tmp/cbjax-cache
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.:scripts
+else
+  export PYTHONPATH=.:scripts
+fi
+exec > >(tee "$out/gpu_check.log") 2>&1
+# Every phase gets at most its own cap and never runs past the whole budget, so a cut run still
+# leaves each finished phase's results (and the log) in $out.
+deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-400} ))
+left() { local l=$(( deadline - $(date +%s) )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
+phase() { echo; echo "== $1 ($(date +%T), $(( deadline - $(date +%s) )) s left)"; }
+# GPU_CHECK_PHASES picks phases (default all): machine gpu-tests kernels engine-step throughput tp suite
+want() { [[ " ${GPU_CHECK_PHASES:-machine gpu-tests kernels engine-step throughput tp suite} " == *" $1 "* ]]; }
+
+if want machine; then
+phase "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+
+fi
+if want gpu-tests; then
+phase "GPU-marked tests: compiled kernels vs the jnp reference"
+timeout $(left 120) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/tests_gpu.log" | tail -25
+
+fi
+if want kernels; then
+phase "kernels: bandwidth vs a device copy and vs jax.experimental.pallas.ops.gpu.paged_attention"
+timeout $(left 75) python3 -m cbjax.bench.kernels --no-tests --max-seconds 50 --out "$out/kernels.json" 2>&1 | tail -30
+
+fi
+if want engine-step; then
+phase "engine decode step, Llama-3-8B shapes, bf16, against the bandwidth floor"
+timeout $(left 90) python3 -m cbjax.bench.gpu_engine --out "$out/engine_gpu.json" 2>&1 | tail -8
+
+fi
+if want throughput; then
+phase "engine throughput, random Llama-3.2-1B-shaped weights, Pallas vs XLA attention"
+if [ -f .gpu_carry/tokenizer/tokenizer.json ]; then
+  timeout $(left 40) python3 benchmarks/random_hf_model.py --shape llama-3.2-1b --tokenizer-dir .gpu_carry/tokenizer --out /tmp/random-1b
+  for backend in pallas xla; do
+    timeout $(left 80) python3 -m cbjax.cli bench throughput --model /tmp/random-1b --attention-backend "$backend" \
+      --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
+      --max-model-len 1024 --result-json "$out/throughput_$backend.json" 2>&1 | grep -v "it/s\]" | tail -4
+  done
+else
+  echo "skipped: no .gpu_carry/tokenizer/tokenizer.json (bash scripts/gpu_carry.sh makes it)"
+fi
+
+fi
+if want tp; then
+phase "tensor parallel"
+ngpu=$(python3 -c "import jax; print(jax.device_count())")
+if [ "$ngpu" -ge 2 ] && [ -d /tmp/random-1b ]; then
+  timeout $(left 90) python3 -m cbjax.cli bench throughput --model /tmp/random-1b --tensor-parallel-size "$ngpu" \
+    --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
+    --max-model-len 1024 --result-json "$out/throughput_tp$ngpu.json" 2>&1 | grep -v "it/s\]" | tail -4
+else
+  echo "skipped: $ngpu GPU(s)"
+fi
+
+fi
+if want suite; then
+phase "the whole suite on the GPU backend, as far as the time left goes"
+# Eight processes share the GPU: each takes memory as it needs it, up to 11% of the GPU (engines
+# without an explicit pool size it from that limit). Each failure's report is written as it
+# happens (scripts/pytest_failure_log.py), so a cut run keeps them.
+PYTEST_FAILURE_LOG="$out/failures.log" XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
+  timeout $(left 600) \
+  python3 -m pytest -q -p no:cacheprovider -p pytest_failure_log -n 8 \
+  --timeout 120 tests/ 2>&1 | tee "$out/tests_all.log" | tail -30
+fi
+phase "done"

@@ -38,7 +38,7 @@ LLAMA3_8B = dict(
 )
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
 )
 
 
