@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens, slot_rows
+from cbjax.engine.penalty_state import (
+    NO_SLOT, PenaltySlots, init_penalty_state, penalty_state_bytes, record_step_tokens, slot_rows,
+)
 
 VOCAB = 16
 record = jax.jit(record_step_tokens)
@@ -66,3 +68,9 @@ def test_slots_are_reused_after_release_and_exhaustion_is_named():
     slots.release("a")
     slots.release("never-held")
     assert slots.slot("c") == a
+
+
+def test_the_bytes_set_aside_for_the_table_are_what_it_allocates():
+    # GPU pool sizing reserves this before the table exists (cbjax/engine/engine.py).
+    table = init_penalty_state(5, 1000)
+    assert penalty_state_bytes(5, 1000) == sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(table))

@@ -20,6 +20,7 @@ from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids, shares_prompt
+from cbjax.engine.penalty_state import penalty_state_bytes
 from cbjax.engine.request import Request, RequestStatus
 from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
@@ -70,6 +71,8 @@ class LLMEngine:
         if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
             reserved_bytes = ModelRunner(model, mc, config, 2, self.backend, tensor_parallel).peak_step_bytes()
+            # The penalty table is allocated with the runner, after the pool is sized: keep room for it.
+            reserved_bytes += penalty_state_bytes(config.max_num_seqs, mc.vocab_size)
         num_blocks = plan_num_blocks(
             # Memory sizing is per device: each holds 1/tensor_parallel_size of every block.
             bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))

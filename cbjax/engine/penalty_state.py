@@ -33,6 +33,11 @@ def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
     return PenaltyState(jnp.zeros((num_slots, vocab_size), bool), jnp.zeros((num_slots, vocab_size), jnp.int32))
 
 
+def penalty_state_bytes(num_slots: int, vocab_size: int) -> int:
+    """Device bytes of init_penalty_state's table (a bool and an int32 per slot and token)."""
+    return num_slots * vocab_size * (1 + 4)
+
+
 def _clear_rows(state: PenaltyState, rows: Int[Array, "tokens"]) -> PenaltyState:
     cleared = jnp.zeros(state.prompt_seen.shape[0], bool).at[rows].set(True, mode="drop")[:, None]
     return PenaltyState(state.prompt_seen & ~cleared, jnp.where(cleared, 0, state.output_counts))
