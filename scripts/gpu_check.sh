@@ -43,12 +43,12 @@ timeout $(left 120) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 
 fi
 if want kernels; then
 phase "kernels: bandwidth vs a device copy and vs jax.experimental.pallas.ops.gpu.paged_attention"
-timeout $(left 75) python3 -m cbjax.bench.kernels --no-tests --max-seconds 50 --out "$out/kernels.json" 2>&1 | tail -30
+timeout $(left 75) python3 -m benchmarks.kernels --no-tests --max-seconds 50 --out "$out/kernels.json" 2>&1 | tail -30
 
 fi
 if want engine-step; then
 phase "engine decode step, Llama-3-8B shapes, bf16, against the bandwidth floor"
-timeout $(left 90) python3 -m cbjax.bench.gpu_engine --out "$out/engine_gpu.json" 2>&1 | tail -8
+timeout $(left 90) python3 -m benchmarks.gpu_engine --out "$out/engine_gpu.json" 2>&1 | tail -8
 
 fi
 if want throughput; then

@@ -120,7 +120,7 @@ def test_paged_capacity_simulation_admits_by_blocks_not_max_model_len():
 
 
 def test_backend_ab_runs_each_backend_every_round(tmp_path):
-    from cbjax.bench import backend_ab
+    from benchmarks import backend_ab
 
     _, model_dir = make_tiny_checkpoint(tmp_path, "llama")
     out = tmp_path / "ab.json"

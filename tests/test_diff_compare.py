@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from cbjax.bench.diff_compare import compare_case
-from cbjax.bench.diff_vllm import probes, reused_vllm_records
+from benchmarks.diff_compare import compare_case
+from benchmarks.diff_vllm import probes, reused_vllm_records
 
 
 def output(token_ids, text, finish="length", stop=None, logprobs=None, index=0) -> dict:

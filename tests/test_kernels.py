@@ -20,7 +20,7 @@ from conftest import has_gpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbjax.bench import kernels as kernel_bench
+from benchmarks import kernels as kernel_bench
 from kernels_pallas.backend import AttentionPlan, attention, resolve_backend
 from kernels_pallas.paged_attention import paged_decode_attention
 from kernels_pallas.ragged_attention import query_tiles, ragged_paged_attention

@@ -6,7 +6,7 @@ this runs it at a tiny shape with caching on and off.
 
 import pytest
 
-from cbjax.bench.prefix_host_cost import decode_step_times
+from benchmarks.prefix_host_cost import decode_step_times
 
 
 @pytest.mark.parametrize("enable_caching", [True, False])

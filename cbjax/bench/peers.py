@@ -192,7 +192,7 @@ def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeo
     if name != "cbjax" and not python.exists():
         return {"error": f"not installed; run with --install first ({python} missing)"}
     env = os.environ | PEER_ENV
-    # -P: the script's folder (cbjax/bench, which holds a kernels.py) must not shadow the peers' imports.
+    # -P: the script's folder (cbjax/bench: serve.py, metrics.py, ...) must not shadow the peers' imports.
     cmd = [str(python), "-P", script, "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
     log_path = out_path.with_suffix(".log")
     with log_path.open("w") as log:

@@ -1,6 +1,6 @@
 """Attention backends (and tensor-parallel sizes) side by side: one engine each in one process, interleaved rounds.
 
-    python -m cbjax.bench.backend_ab --model checkpoints/smollm2-135m-instruct --backends xla cpp \\
+    python -m benchmarks.backend_ab --model checkpoints/smollm2-135m-instruct --backends xla cpp \\
         --max-num-seqs 16 --max-num-batched-tokens 256 --max-model-len 512 --dtype bfloat16 \\
         --kv-cache-dtype float16 --compilation-cache-dir .jax_cache --rounds 4
 
@@ -29,7 +29,7 @@ from cbjax.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.backend_ab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.backend_ab", description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--backends", nargs="+", default=["xla", "cpp"])
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=None, help="default: --tensor-parallel-size")

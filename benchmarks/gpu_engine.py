@@ -1,6 +1,6 @@
 """Engine decode steps on Llama-3-8B-shaped random weights against the bandwidth floor.
 
-    PYTHONPATH=. python -m cbjax.bench.gpu_engine --out engine_gpu.json
+    PYTHONPATH=. python -m benchmarks.gpu_engine --out engine_gpu.json
 
 For each batch size, one decode step of the real runner (compiled step, Pallas
 kernels, on-device sampling) at a given context length, timed as the median of
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cbjax.bench.kernels import copy_bandwidth
+from benchmarks.kernels import copy_bandwidth
 from cbjax.config import ModelConfig, RopeScaling
 from cbjax.engine.buckets import pick_bucket
 from cbjax.engine.config import EngineConfig
@@ -64,7 +64,7 @@ def decode_batch(num_reqs: int, context: int, block_size: int) -> SchedulerOutpu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.gpu_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("engine_gpu.json"))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=1024)

@@ -1,4 +1,4 @@
-"""The requests `python -m cbjax.bench.diff_vllm` sends to both engines; add a dict to extend it.
+"""The requests `python -m benchmarks.diff_vllm` sends to both engines; add a dict to extend it.
 
 A case is {"name", "prompt", "params", optional "compare"}:
 - "prompt": a string, {"prompt_token_ids": [...]}, or {"chat": [messages]} (each engine renders

@@ -5,7 +5,7 @@ and every step does what the scheduler does per request (append the token, alloc
 computed, register full blocks). Prints and writes the per-step medians and means and their difference,
 to set beside a real decode step's time (cbjax bench throughput's mean_step_ms).
 
-    python -m cbjax.bench.prefix_host_cost --num-requests 64 --result-json out.json
+    python -m benchmarks.prefix_host_cost --num-requests 64 --result-json out.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where a step's time goes on the host, at many running requests.
 
-    python -m cbjax.bench.host_overhead --model checkpoints/smollm2-135m-instruct --num-requests 256
-    python -m cbjax.bench.host_overhead --model ... --max-model-len 8192 --penalties   # penalty history cost
+    python -m benchmarks.host_overhead --model checkpoints/smollm2-135m-instruct --num-requests 256
+    python -m benchmarks.host_overhead --model ... --max-model-len 8192 --penalties   # penalty history cost
 
 Part 1 runs the real engine with `--num-requests` requests decoding together
 and times each phase of every step by wrapping the engine's own objects:
@@ -115,7 +115,7 @@ def scheduler_alone(num_requests: int, prompt_len: int, steps: int, block_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.host_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead", description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)

@@ -1,4 +1,4 @@
-"""GPU benchmark of the paged-attention kernels: `PYTHONPATH=. python -m cbjax.bench.kernels --out kernels.json`.
+"""GPU benchmark of the paged-attention kernels: `PYTHONPATH=. python -m benchmarks.kernels --out kernels.json`.
 
 One call, a few minutes on an H100/H200:
   1. runs the gpu-marked kernel tests (pytest -m gpu, in a subprocess);
@@ -230,7 +230,7 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("kernels_bench.json"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, tiny shapes")
     parser.add_argument("--tests", action=argparse.BooleanOptionalAction, default=None,

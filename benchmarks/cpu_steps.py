@@ -1,6 +1,6 @@
 """The CPU A/B measurements behind BENCHMARKS.md section 7, in one command.
 
-    python -m cbjax.bench.cpu_steps --model checkpoints/smollm2-135m-instruct --result-json bench_results/cpu_steps.json
+    python -m benchmarks.cpu_steps --model checkpoints/smollm2-135m-instruct --result-json bench_results/cpu_steps.json
 
 Part 1, the jnp attention of one layer at SmolLM2's shapes (9 query heads, 3 KV heads, head_dim
 64, block 16), compiled alone: KV tile sizes for decodes, query tiles (block_q) for prefill and
@@ -132,7 +132,7 @@ def decode_step_variants(model_dir: str, batches: list[int], context: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.cpu_steps", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_steps", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)

