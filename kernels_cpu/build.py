@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import tempfile
 
-from cbjax.paths import cache_dir as cbjax_cache_dir
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
 # -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
@@ -34,6 +33,10 @@ def cache_dir() -> pathlib.Path:
     """$CBJAX_KERNEL_CACHE, else cbjax's cache folder/kernels, else (no writable home) a folder in the temp dir."""
     if os.environ.get("CBJAX_KERNEL_CACHE"):
         return pathlib.Path(os.environ["CBJAX_KERNEL_CACHE"])
+    # Imported here: `import cbjax` pulls in the engine, whose model imports the kernels, so a
+    # module-level import would make `import kernels_pallas.backend` alone a circular import.
+    from cbjax.paths import cache_dir as cbjax_cache_dir
+
     try:
         home = cbjax_cache_dir() / "kernels"
         home.mkdir(parents=True, exist_ok=True)
