@@ -31,6 +31,7 @@ from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
+from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.models.llama import init_kv_caches
 from kernels_pallas.backend import AttentionPlan
@@ -194,12 +195,14 @@ class ModelRunner:
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
             logits = model.compute_logits(hidden[inputs.logits_indices])
-            if mesh is not None:  # the sampler reads whole vocabulary rows
-                logits = jax.lax.with_sharding_constraint(logits, self.tensor_parallel.replicated)
             penalty_state = record_step_tokens(penalty_state, inputs.token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
+            if mesh is None:
+                sampled = sample(logits, inputs.sampling, penalty_state, num_logprobs)
+            else:  # logits split by vocabulary: sample from each device's top candidates where that is exact
+                sampled = sample_vocab_sharded(logits, inputs.sampling, penalty_state, num_logprobs, mesh)
             outputs = StepOutputs(
-                sample(logits, inputs.sampling, penalty_state, num_logprobs),
+                sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
             )
             return kv_caches, penalty_state, pack_device(outputs)
