@@ -81,12 +81,14 @@ def sample_vocab_sharded(
 ) -> SamplerOutput:
     """`sample` for logits split over the vocabulary on `mesh`'s model axis: from the devices'
     candidates when that is exact, else from the gathered rows."""
-    if logits.shape[-1] % mesh.shape[MODEL_AXIS] or logits.shape[-1] // mesh.shape[MODEL_AXIS] < SHARD_CANDIDATES:
-        return sample(jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P())), t, penalty_state, num_logprobs)
 
     def gathered(logits: Float[Array, "S V"]) -> SamplerOutput:
         rows = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
         return sample(rows, t, penalty_state, num_logprobs)
+
+    vocab, num_devices = logits.shape[-1], mesh.shape[MODEL_AXIS]
+    if vocab % num_devices or vocab // num_devices < SHARD_CANDIDATES:  # no even slices of k candidates each
+        return gathered(logits)
 
     def from_candidates(logits: Float[Array, "S V"]) -> SamplerOutput:
         token_ids = sample_from_candidates(logits, t, mesh)
