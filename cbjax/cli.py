@@ -8,6 +8,7 @@ import sys
 
 from cbjax.bench.cli import add_bench_parser
 from cbjax.cli_args import add_engine_args, add_serve_args, engine_options
+from cbjax.lower_cli import add_lower_parser
 from cbjax.plan_cli import add_plan_parser
 
 
@@ -56,21 +57,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
-def cmd_lower(args: argparse.Namespace) -> None:
-    from cbjax.engine.config import EngineConfig
-    from cbjax.engine.engine import LLMEngine
-
-    options = engine_options(args) | {"attention_backend": "xla"}
-    engine = LLMEngine(EngineConfig(model=args.model, **options), precompile=False)
-    results = engine.runner.lower_all(args.platform, backend=args.backend)
-    failed = [(bucket, error) for bucket, error in results if error is not None]
-    print(f"lowered {len(results) - len(failed)}/{len(results)} steps for {args.platform} with backend {args.backend}")
-    for bucket, error in failed:
-        print(f"FAILED {bucket.kind} tokens={bucket.num_tokens} requests={bucket.num_reqs}: {error}", file=sys.stderr)
-    if failed:
-        sys.exit(1)
-
-
 def cmd_worker(args: argparse.Namespace) -> None:
     from cbjax.engine.multihost import run_worker
 
@@ -112,11 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("lower", help="lower every bucketed step for another platform (no device needed)")
-    add_engine_args(p)
-    p.add_argument("--platform", default="cuda")
-    p.add_argument("--backend", default="pallas", choices=["pallas", "xla"])
-    p.set_defaults(func=cmd_lower)
+    add_lower_parser(sub)
 
     p = sub.add_parser("worker", help="multi-host: a process > 0 that runs process 0's steps on its own devices")
     add_engine_args(p)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True) -> None:
     """The engine options every serving command takes (vLLM's flag names)."""
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,
                             help="converted checkpoint or Hugging Face directory (default: built-in SmolLM2)")
     else:
-        parser.add_argument("--model", required=True, help="converted checkpoint directory (cbjax convert)")
+        parser.add_argument("--model", required=model_required, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -1,7 +1,9 @@
 """Process 0 of the 2-process test (see test_multihost.py): serve greedy requests, print one JSON line.
 
-argv: CHECKPOINT COORDINATOR MODE, MODE "exit" (generate, print, exit: that stops the worker) or
-"stay" (generate, print, then wait to be killed: the worker must end with an error).
+argv: CHECKPOINT COORDINATOR MODE, MODE "exit" (generate, print, exit: that stops the worker),
+"stay" (generate, print, then wait to be killed: the worker must end with an error) or "serve"
+(generate, print, then keep generating until a step fails: the test kills the worker meanwhile;
+print "PEER_LOST <message>" and let the error end the process).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before j
 from multihost_options import ENGINE_OPTIONS, MAX_TOKENS, prompts  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
+from cbjax.engine.multihost import PeerLostError  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +40,13 @@ def main() -> None:
     }), flush=True)
     if mode == "stay":
         time.sleep(600)
+    while mode == "serve":
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0.0, max_tokens=64),
+                         use_tqdm=False)
+        except PeerLostError as error:
+            print(f"PEER_LOST {error}", flush=True)
+            raise
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ XLA_FLAGS must be set before jax is imported, so these checks cannot share the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,18 +15,32 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from test_engine import COMPILES, CompileCounter  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
 from cbjax.checkpoint.params import param_name  # noqa: E402
+from cbjax.engine.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
+from cbjax.plan import load_model_config  # noqa: E402
 from cbjax.checkpoint.convert import PARAMS_DIR  # noqa: E402
 from cbjax.checkpoint.loader import _restore_orbax  # noqa: E402
 from cbjax.config import ModelConfig  # noqa: E402
 from cbjax.engine.config import EngineConfig  # noqa: E402
 from cbjax.engine.sharding import TensorParallel  # noqa: E402
 from cbjax.engine.engine import LLMEngine  # noqa: E402
+from cbjax.engine.penalty_state import NO_SLOT, init_penalty_state  # noqa: E402
+from cbjax.engine.sampler import SamplingRow, SamplingTensors, build_sampling_tensors, sample  # noqa: E402
+from cbjax.engine.sharded_sampling import (  # noqa: E402
+    SHARD_CANDIDATES,
+    needs_whole_rows,
+    sample_from_candidates,
+    sample_vocab_sharded,
+)
+from kernels_pallas.backend import MODEL_AXIS  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
@@ -33,14 +48,30 @@ ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=
 KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
+# Seeded sampling: the first two rows take the devices' candidates under TP, the third (top-p alone)
+# and fourth (a penalty) the gathered rows; all must give TP=1's tokens.
+SEEDED = [
+    dict(temperature=0.8, top_k=20, seed=1),
+    dict(temperature=1.0, top_k=8, top_p=0.7, min_p=0.02, seed=2),
+    dict(temperature=0.9, top_p=0.9, seed=3),
+    dict(temperature=0.8, top_k=20, presence_penalty=0.5, seed=4),
+]
+
+
+def seeded_token_ids(llm: LLM) -> list[list[int]]:
+    prompts_and_params = [(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kw)) for p, kw in zip(prompts(), SEEDED)]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in prompts_and_params], [sp for _, sp in prompts_and_params],
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def prompts() -> list[list[int]]:
     return [[3 + (7 * i + 13 * n) % 290 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter) -> dict:
-    llm = LLM(str(ckpt), tensor_parallel_size=tp, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES[arch], **ENGINE_OPTIONS)
+def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_backend: str = "auto") -> dict:
+    llm = LLM(str(ckpt), tensor_parallel_size=tp, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES[arch],
+              attention_backend=attention_backend, **ENGINE_OPTIONS)
     runner = llm.llm_engine.runner
     state = jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights)
     weights = {
@@ -57,16 +88,20 @@ def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter) -> dict:
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         use_tqdm=False,
     )
+    seeded = seeded_token_ids(llm)
     compiles.armed = False
     k_pages = runner.kv_caches[0][0]  # read after serving: each step donates the pool and replaces it
     stats = llm.get_stats()
     return {
         "token_ids": [o.outputs[0].token_ids for o in outs],
+        "seeded_token_ids": seeded,
         "weights": weights,
         "pool": {"shape": list(k_pages.shape), "shard_shapes": sorted({tuple(s.data.shape) for s in k_pages.addressable_shards})},
         "num_blocks": llm.llm_engine.block_manager.num_blocks,
         "num_preemptions": stats["num_preemptions"],
         "compiles_while_serving": compiles.count,
+        "backend": llm.llm_engine.backend,
+        "tensor_parallel_size": llm.llm_engine.config.tensor_parallel_size,
     }
 
 
@@ -74,6 +109,68 @@ def cuda_lowering_failures(ckpt: Path, tp: int) -> list[str]:
     """Every bucket lowered for CUDA (Pallas kernels under shard_map) with the TP shardings; what failed."""
     engine = LLMEngine(EngineConfig(model=str(ckpt), tensor_parallel_size=tp, num_kv_blocks=40, **ENGINE_OPTIONS), precompile=False)
     return [f"{bucket}: {error}" for bucket, error in engine.runner.lower_all("cuda", "pallas") if error is not None]
+
+
+def abstract_lowering(config: ModelConfig, tp: int) -> dict:
+    """Every bucket lowered for CUDA from the config alone (cbjax lower --config): what failed, the
+    partitions and argument shardings each step has, and the device bytes that building it allocated."""
+    live_bytes = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
+    before = live_bytes()
+    runner = abstract_runner(config, EngineConfig(model="abstract", tensor_parallel_size=tp, **ENGINE_OPTIONS), "cuda")
+    found = {"failures": [], "partitions": [], "shardings": [], "allocated_bytes": live_bytes() - before}
+    for bucket in runner.buckets:
+        try:
+            text = runner.lower_for(bucket, "cuda", "pallas").as_text()
+        except Exception as error:  # noqa: BLE001 - the test lists them
+            found["failures"].append(f"{bucket}: {error}")
+            continue
+        found["partitions"].append(num_partitions(text))
+        found["shardings"].append(dict(argument_shardings(text)))
+    return found
+
+
+def sharded_sampling() -> dict:
+    """The sampler on logits split over 4 devices' vocabulary slices against the one-device sampler,
+    on the same random logits and seeds: greedy, top-k, top-k + top-p + min-p, top_k = k (candidate
+    path), and rows that need whole rows (top-p alone, penalties, min_tokens, logprobs)."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]), (MODEL_AXIS,))
+    num_rows, vocab = 64, 1024
+    logits = 3.0 * jax.random.normal(jax.random.key(0), (num_rows, vocab), jnp.float32)
+    sliced = jax.device_put(logits, NamedSharding(mesh, P(None, MODEL_AXIS)))
+    penalty_state = init_penalty_state(num_rows, vocab)
+    candidate_params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.8, min_p=0.01),
+        SamplingParams(temperature=1.3, top_k=SHARD_CANDIDATES),
+    ]
+    whole_row_params = [
+        SamplingParams(temperature=0.9, top_p=0.9),
+        SamplingParams(temperature=0.9, top_k=SHARD_CANDIDATES + 1),
+        SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, top_k=20, logprobs=2),
+    ]
+
+    def tensors(params: list[SamplingParams], suppress: list[int] = ()) -> SamplingTensors:
+        rows = [SamplingRow(params[i % len(params)], seed=1000 + i, counter=i % 5, suppress_token_ids=suppress,
+                            penalty_slot=i if params[i % len(params)].has_penalties else NO_SLOT) for i in range(num_rows)]
+        return build_sampling_tensors(rows, num_rows, 16)
+
+    one_device = jax.jit(lambda t: sample(logits, t, penalty_state, 2).token_ids)
+    candidates = jax.jit(lambda t: sample_from_candidates(sliced, t, mesh))
+    sharded = jax.jit(lambda t: sample_vocab_sharded(sliced, t, penalty_state, 2, mesh).token_ids)
+    whole = jax.jit(lambda t: needs_whole_rows(t, 2))
+    cases = {"candidates": tensors(candidate_params), "suppressed": tensors(candidate_params, [5, 6])}
+    cases |= {f"whole_row_{i}": tensors([p]) for i, p in enumerate(whole_row_params)}
+    return {
+        name: {
+            "one_device": one_device(t).tolist(),
+            "candidates": candidates(t).tolist(),
+            "sharded": sharded(t).tolist(),
+            "needs_whole_rows": bool(whole(t)),
+        }
+        for name, t in cases.items()
+    }
 
 
 def restored_shard_shapes(ckpt: Path, tp: int) -> dict[str, list]:
@@ -98,14 +195,25 @@ def main() -> None:
     llama = make_tiny_checkpoint(tmp / "llama", "llama")  # 4 heads, 2 KV heads
     qwen2 = make_tiny_checkpoint(tmp / "qwen2", "qwen2")  # q/k/v biases, split and repeated with their columns
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
+    # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
+    # interpreted Pallas kernels serve the TP=2 run, the jnp reference one more TP=4 run.
+    llama_tp2 = serve("llama", llama[1], 2, compiles, "pallas_interpret")
     result = {
         "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0])},
         "prompts": prompts(),
-        "llama": {tp: serve("llama", llama[1], tp, compiles) for tp in (2, 4)},
+        "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles)},
         "qwen2": {4: serve("qwen2", qwen2[1], 4, compiles)},
+        "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
+        "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
+        "sharded_sampling": sharded_sampling(),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),
+        "abstract_lowering": {
+            "llama": {tp: abstract_lowering(ModelConfig.from_dir(llama[1]), tp) for tp in (2, 4)},
+            # Llama-3-70B's shapes (64 heads, 8 KV heads, head_dim 128, vocab 128256), two of its 80 layers
+            "llama-3-70b": {4: abstract_lowering(dataclasses.replace(load_model_config("llama-3-70b")[1], num_hidden_layers=2), 4)},
+        },
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

@@ -1,4 +1,5 @@
-"""The CLI on a tiny checkpoint: lowering every step for CUDA without a GPU, and streaming generate."""
+"""The CLI on a tiny checkpoint: lowering every step for CUDA without a GPU (from the checkpoint or
+from its config alone), and streaming generate."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def test_lower_every_bucket_for_cuda_with_the_pallas_kernels(checkpoint, capsys)
     out = capsys.readouterr().out
     # 4 seqs / 32 tokens: decode (4), mixed (16 tokens, 4 reqs), mixed (32 tokens, 4 reqs).
     assert "lowered 3/3 steps for cuda with backend pallas" in out
+
+
+def test_lower_from_a_config_alone_and_refuses_both_or_neither(checkpoint, capsys):
+    main(["lower", "--platform", "cuda", "--config", checkpoint, *ENGINE_FLAGS])  # config.json of the checkpoint
+    out = capsys.readouterr().out
+    assert "lowered 3/3 steps for cuda with backend pallas at tensor_parallel_size=1" in out
+    assert out.count(": 1 partitions; ") == 3  # one line per bucket
+    for flags in (["--config", checkpoint, "--model", checkpoint], []):
+        with pytest.raises(SystemExit, match="give either --model CHECKPOINT or --config"):
+            main(["lower", *flags, *ENGINE_FLAGS])
 
 
 def test_generate_streams_what_the_api_returns(checkpoint, capsys):

@@ -1,5 +1,7 @@
-"""Tensor parallelism over 4 virtual CPU devices: greedy outputs equal transformers', and every
-weight and the KV pool are really split as Megatron-style TP says (shard shapes worked by hand).
+"""Tensor parallelism over 4 virtual CPU devices: greedy outputs equal transformers' with every
+attention backend under shard_map (C++, jnp, interpreted Pallas), every weight and the KV pool
+are really split as Megatron-style TP says (shard shapes worked by hand), and every step lowers
+for CUDA with those shardings, from a checkpoint or from a config alone (abstract weights).
 
 The engines run in one subprocess (tensor_parallel_checks.py): the device count is fixed when
 jax starts. Tiny configs: hidden 64, intermediate 128, vocab 320, 4 heads of 16 (Qwen3: of 32),
@@ -35,9 +37,19 @@ def findings() -> dict:
 
 @pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4")])
 def test_greedy_outputs_equal_transformers(findings, arch, tp):
+    # TP=4 runs the C++ CPU kernel per device; TP=2 the interpreted Pallas kernels
     # Prompts of 60/45/37 tokens are prefilled in chunks of at most 32, and the 20-block pool preempts.
     run = findings[arch][tp]
     want = [hf_greedy(Path(findings["hf_dirs"][arch]), prompt, 10) for prompt in findings["prompts"]]
+    assert run["token_ids"] == want
+    assert run["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize(("backend", "tp"), [("cpp", 4), ("xla", 4), ("pallas_interpret", 2)])
+def test_attention_backends_under_shard_map_greedy_equals_transformers(findings, backend, tp):
+    run = findings["llama"]["4"] if backend == "cpp" else findings["backends"][backend]
+    want = [hf_greedy(Path(findings["hf_dirs"]["llama"]), prompt, 10) for prompt in findings["prompts"]]
+    assert run["backend"] == backend and run["tensor_parallel_size"] == tp
     assert run["token_ids"] == want
     assert run["num_preemptions"] > 0
 
@@ -103,8 +115,45 @@ def test_every_step_lowers_for_cuda_with_tp_shardings(findings):
     assert findings["cuda_lowering_failures"] == []
 
 
+@pytest.mark.parametrize(("config", "tp"), [("llama", "2"), ("llama", "4"), ("llama-3-70b", "4")])
+def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_shardings(findings, config, tp):
+    run = findings["abstract_lowering"][config][tp]
+    assert run["failures"] == []
+    assert run["allocated_bytes"] == 0  # shapes only: no weight, pool or penalty table was allocated
+    assert run["partitions"] == [int(tp)] * len(run["shardings"]) and len(run["shardings"]) == 3  # 3 buckets
+    # Both configs have 2 layers, untied, and a vocabulary that 2 and 4 divide. Per layer: q/k/v and gate/up
+    # split by output columns, o and down by input rows, 2 norms replicated; K and V pools split over
+    # KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows (vocabulary), the
+    # final norm and the packed inputs replicated, the penalty table's two [seqs, vocab] arrays replicated.
+    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 2 * 2 + 1 + 1,
+            '[{"model"}, {}, {}, {}]': 2 * 2, "[{}, {}]": 2}
+    assert all(shardings == want for shardings in run["shardings"])
+
+
 def test_refuses_what_cannot_work(findings):
     too_many, not_divisible = findings["refusals"]["too_many_devices"], findings["refusals"]["heads_not_divisible"]
     assert "tensor_parallel_size=8" in too_many and "4 present" in too_many and "[1, 2, 4]" in too_many
     assert "tensor_parallel_size=3" in not_divisible and "num_attention_heads=4 is not divisible by 3" in not_divisible
     assert "valid sizes: 1, 2, 4" in not_divisible
+
+
+def test_sampling_from_devices_candidates_equals_one_device_sampler(findings):
+    # 64 rows cycling greedy / top-k 20 / top-k 40 + top-p + min-p / top_k = SHARD_CANDIDATES, each its own seed:
+    # every row's kept set lies within the 4 devices' top-64 candidates, so the tokens are the one-device sampler's.
+    case = findings["sharded_sampling"]["candidates"]
+    assert not case["needs_whole_rows"]
+    assert case["candidates"] == case["one_device"]
+    assert case["sharded"] == case["one_device"]
+
+
+@pytest.mark.parametrize("case", ["suppressed", "whole_row_0", "whole_row_1", "whole_row_2", "whole_row_3"])
+def test_rows_needing_the_whole_vocabulary_take_the_gathered_path(findings, case):
+    # min_tokens' suppressed ids, top-p alone, top_k above the candidates, a penalty, logprobs
+    run = findings["sharded_sampling"][case]
+    assert run["needs_whole_rows"]
+    assert run["sharded"] == run["one_device"]
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_seeded_sampling_under_tp_equals_tp1(findings, tp):
+    assert findings["llama"][tp]["seeded_token_ids"] == findings["tp1_seeded_token_ids"]

@@ -7,18 +7,24 @@ tokenizer and the front end; before each step it broadcasts one int32 buffer thr
 index and the step's packed inputs. The other processes (`cbjax worker`) only wait for that
 buffer and run the step it names, until the control word says to stop.
 
-A dead peer ends every process with an error, never a hang: a survivor waiting in the step's
-collective fails at once when gloo/NCCL loses the connection (measured: a worker whose leader is
-SIGKILLed aborts within a second, "Gloo all-reduce failed: Connection closed by peer"), and
-jax.distributed's heartbeats (HEARTBEAT_TIMEOUT_S) stop every process that has lost a peer while
-outside a collective. A leader that exits normally tells the workers to stop (exit status 0).
+A dead peer ends every process with an error, never a hang: a survivor in the step's collectives
+fails at once when gloo/NCCL loses the connection (measured: within a second of a SIGKILL, either
+way), which becomes a PeerLostError naming what happened and the fix; the leader's `step()`
+raises it, a worker prints it. Such a process then exits with PEER_LOST_EXIT_STATUS as soon as
+the interpreter exits, skipping jax.distributed's shutdown barrier (which would wait out the
+heartbeat timeout for the dead peer, then abort with a C++ stack trace). A process that loses a
+peer while outside a collective (an idle leader) is stopped by jax.distributed's heartbeats
+(HEARTBEAT_TIMEOUT_S). A leader that exits normally tells the workers to stop (exit status 0).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
-from typing import TYPE_CHECKING
+import os
+import sys
+from typing import TYPE_CHECKING, Iterator
 
 import jax
 import numpy as np
@@ -37,6 +43,13 @@ HEADER = 2  # control word, bucket index
 HEARTBEAT_TIMEOUT_S = 10
 INITIALIZATION_TIMEOUT_S = 120  # every process must have joined by then
 SHUTDOWN_TIMEOUT_S = 10
+PEER_LOST_EXIT_STATUS = 3  # the exit status of a process that lost a peer
+# What XLA's collectives and jax.distributed say when a peer process is gone.
+_PEER_LOSS_SIGNS = ("Gloo", "NCCL", "Connection", "connection", "heartbeat", "unhealthy", "coordination service")
+
+
+class PeerLostError(RuntimeError):
+    """Another process of the multi-host engine died or its connection broke: this engine cannot go on."""
 
 
 def initialize(config: EngineConfig) -> None:
@@ -75,7 +88,7 @@ class StepBroadcast:
     def __init__(self, packed_sizes: list[int]):
         self.packed_sizes = packed_sizes  # per bucket, in the runner's bucket order
         self.width = HEADER + max(packed_sizes)  # one shape, so the broadcast compiles once
-        self.closed = False
+        self.closed = False  # shut down, or a peer is lost: no more broadcasts
 
     def send_step(self, bucket_index: int, packed: Int[np.ndarray, "size"]) -> None:
         buffer = np.zeros(self.width, np.int32)
@@ -106,6 +119,35 @@ class StepBroadcast:
         return bucket_index, buffer[HEADER : HEADER + self.packed_sizes[bucket_index]]
 
 
+@contextlib.contextmanager
+def peer_failures(broadcast: StepBroadcast | None) -> Iterator[None]:
+    """Turn a collective that failed because a peer process is gone into a PeerLostError (no-op for one process)."""
+    if broadcast is None:
+        yield
+        return
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not any(sign in str(error) for sign in _PEER_LOSS_SIGNS):
+            raise
+        if not broadcast.closed:
+            broadcast.closed = True  # a shutdown broadcast now would only fail again
+            # Registered after jax's own exit hook, so it runs first and skips jax.distributed's shutdown.
+            atexit.register(_exit_after_peer_loss)
+        raise PeerLostError(
+            f"process {jax.process_index()} of {jax.process_count()} lost a peer during a step ({first_line}): "
+            "another process of this multi-host engine died or its connection broke, and the engine cannot "
+            "continue without it; restart every process (process 0 and each `cbjax worker`) with the same options"
+        ) from error
+
+
+def _exit_after_peer_loss() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PEER_LOST_EXIT_STATUS)
+
+
 def attach(runner: ModelRunner, config: EngineConfig) -> StepBroadcast | None:
     """Give a multi-host engine's runner its broadcast; on the leader it also stops the workers at exit."""
     if config.num_processes == 1:
@@ -120,10 +162,11 @@ def attach(runner: ModelRunner, config: EngineConfig) -> StepBroadcast | None:
 def serve_steps(runner: ModelRunner, broadcast: StepBroadcast) -> int:
     """A worker's loop: run each step the leader names until it shuts down; the number of steps run."""
     num_steps = 0
-    while (step := broadcast.receive()) is not None:
-        bucket_index, packed = step
-        runner.launch(runner.buckets[bucket_index], packed)
-        num_steps += 1
+    with peer_failures(broadcast):
+        while (step := broadcast.receive()) is not None:
+            bucket_index, packed = step
+            runner.launch(runner.buckets[bucket_index], packed)
+            num_steps += 1
     logger.info("the leader shut down after %d steps", num_steps)
     return num_steps
 
@@ -140,4 +183,7 @@ def run_worker(model: str, options: dict) -> None:
             f"{config.process_id}; process 0 serves (cbjax serve / generate, or LLM(...) with the same options)"
         )
     engine = LLMEngine(config, progress=False)
-    serve_steps(engine.runner, engine.step_broadcast)
+    try:
+        serve_steps(engine.runner, engine.step_broadcast)
+    except PeerLostError as error:
+        sys.exit(f"cbjax worker: {error}")  # the exit status is PEER_LOST_EXIT_STATUS (peer_failures)

@@ -27,10 +27,12 @@ from tqdm.auto import tqdm
 
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
+from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
+from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.models.llama import init_kv_caches
 from kernels_pallas.backend import AttentionPlan
@@ -128,19 +130,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.graphdef, state = nnx.split(model)
-        if tensor_parallel is not None:
-            state = tensor_parallel.shard_state(state)
-        # The weights travel as a flat list: flattening nnx's State pytree on every call cost
-        # about 4 ms of dispatch per step.
-        self.weights, self._state_treedef = jax.tree_util.tree_flatten(state)
         init_pool = functools.partial(
             init_kv_caches, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
         )
-        # Under TP each device allocates only its own KV heads.
-        self.kv_caches = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
-        self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
-        if tensor_parallel is not None:  # the sampler reads whole vocabulary rows on every device
-            self.penalty_state = jax.device_put(self.penalty_state, tensor_parallel.replicated)
+        self.weights, self._state_treedef, self.kv_caches, self.penalty_state = self._device_state(state, init_pool)
         self.penalty_slots = PenaltySlots(config.max_num_seqs)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
@@ -150,7 +143,23 @@ class ModelRunner:
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
         self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
+        self.activation_dtype = model.activation_dtype
         self.matmul_precision = matmul_precision(model.activation_dtype, jax.devices()[0].platform)
+
+    def _device_state(self, state: nnx.State, init_pool: Any) -> tuple[list[jax.Array], Any, Any, Any]:
+        """The weights as a flat list (and their treedef), the KV pool and the penalty state, on the devices."""
+        tensor_parallel = self.tensor_parallel
+        if tensor_parallel is not None:
+            state = tensor_parallel.shard_state(state)
+        # The weights travel as a flat list: flattening nnx's State pytree on every call cost
+        # about 4 ms of dispatch per step.
+        weights, treedef = jax.tree_util.tree_flatten(state)
+        # Under TP each device allocates only its own KV heads.
+        kv_caches = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
+        penalty_state = init_penalty_state(self.config.max_num_seqs, self.model_config.vocab_size)
+        if tensor_parallel is not None:  # the sampler reads whole vocabulary rows on every device
+            penalty_state = jax.device_put(penalty_state, tensor_parallel.replicated)
+        return weights, treedef, kv_caches, penalty_state
 
     # ---- shapes -------------------------------------------------------------
 
@@ -201,12 +210,14 @@ class ModelRunner:
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
             logits = model.compute_logits(hidden[inputs.logits_indices])
-            if mesh is not None:  # the sampler reads whole vocabulary rows
-                logits = jax.lax.with_sharding_constraint(logits, self.tensor_parallel.replicated)
             penalty_state = record_step_tokens(penalty_state, inputs.token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
+            if mesh is None:
+                sampled = sample(logits, inputs.sampling, penalty_state, num_logprobs)
+            else:  # logits split by vocabulary: sample from each device's top candidates where that is exact
+                sampled = sample_vocab_sharded(logits, inputs.sampling, penalty_state, num_logprobs, mesh)
             outputs = StepOutputs(
-                sample(logits, inputs.sampling, penalty_state, num_logprobs),
+                sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
             )
             return kv_caches, penalty_state, pack_device(outputs)
@@ -298,19 +309,22 @@ class ModelRunner:
         largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
         return max(self._lower(b).compile().memory_analysis().temp_size_in_bytes for b in largest)
 
+    def lower_for(self, bucket: Bucket, platform: str, backend: str) -> jax.stages.Lowered:
+        """The step of `bucket` lowered for `platform` from shapes alone (its shardings come from the jit)."""
+        abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        # Under TP the step carries its own concrete mesh, which an abstract target would contradict.
+        target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
+        with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target:
+            return self._step_fn(bucket, backend).trace(
+                abstract(self.weights), abstract(self.kv_caches), abstract(self.penalty_state), self._packed_struct(bucket)
+            ).lower(lowering_platforms=(platform,))
+
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
         """Lower every bucketed step for `platform` from shapes alone; the error of each that fails."""
-        abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        weights, kv_caches, penalty_state = abstract(self.weights), abstract(self.kv_caches), abstract(self.penalty_state)
         results = []
         for bucket in self.buckets:
             try:
-                # Under TP the step carries its own concrete mesh, which an abstract target would contradict.
-                target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
-                with jax.default_matmul_precision(self.matmul_precision), target:
-                    self._step_fn(bucket, backend).trace(weights, kv_caches, penalty_state, self._packed_struct(bucket)).lower(
-                        lowering_platforms=(platform,)
-                    )
+                self.lower_for(bucket, platform, backend)
                 results.append((bucket, None))
             except Exception as error:  # noqa: BLE001 - reported per bucket by the CLI
                 results.append((bucket, error))
@@ -385,8 +399,9 @@ class ModelRunner:
         logprobs scored in it for requests that asked for them."""
         bucket, inputs = self.prepare(scheduled)
         packed = pack(inputs)
-        result = self.launch(bucket, packed)
-        out: StepOutputs = unpack_host(np.asarray(result), self._out_layouts[bucket])
+        with peer_failures(self.step_broadcast):  # multi-host: a dead peer fails the step's collectives
+            result = np.asarray(self.launch(bucket, packed))
+        out: StepOutputs = unpack_host(result, self._out_layouts[bucket])
         sampled, logprobs = {}, out.sampled.logprobs
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
             n = row.request.sampling_params.logprobs or 0
