@@ -69,7 +69,6 @@ class StepRecorder:
 
     def _snapshot(self, bucket: Any, scheduled: Any) -> dict[str, Any]:
         scheduler, block_manager = self.engine.scheduler, self.engine.block_manager
-        new_tokens = {row.request.request_id: row.num_new_tokens for row in scheduled.scheduled}
         useful = sum(
             row.num_new_tokens
             for row in scheduled.scheduled
@@ -87,7 +86,7 @@ class StepRecorder:
             kv_blocks_used=block_manager.num_usable_blocks - block_manager.num_free_blocks,
             kv_blocks_total=block_manager.num_usable_blocks,
             kv_allocated_slots=sum(len(r.block_ids) for r in running) * block_manager.block_size,
-            kv_token_slots=sum(r.num_computed_tokens + new_tokens.get(r.request_id, 0) for r in running),
+            kv_token_slots=sum(r.num_computed_tokens for r in running),  # counted when scheduled
         )
 
     def step(self) -> list[Any]:
