@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """The engine options every serving command takes (vLLM's flag names)."""
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False, variants: bool = False) -> None:
+    """The engine options every serving command takes (vLLM's flag names). With `variants` (benchmarks),
+    --async-scheduling takes on, off or both, run side by side."""
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,
                             help="converted checkpoint or Hugging Face directory (default: built-in SmolLM2)")
@@ -38,10 +39,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching to turn off)",
     )
-    parser.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-        help="schedule the next step while one runs (--no-async-scheduling: one step at a time)",
-    )
+    if variants:
+        parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
+                            help="one or both (both: side by side in one engine, interleaved)")
+    else:
+        parser.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+            help="schedule the next step while one runs (--no-async-scheduling: one step at a time)",
+        )
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")

@@ -69,10 +69,12 @@ class StepRecorder:
 
     def _snapshot(self, bucket: Any, scheduled: Any) -> dict[str, Any]:
         scheduler, block_manager = self.engine.scheduler, self.engine.block_manager
+        # Output tokens sampled before this step, those a step still in flight samples included.
+        sampled_before = lambda row: row.request.num_output_tokens + row.request.num_output_placeholders - row.samples  # noqa: E731
         useful = sum(
             row.num_new_tokens
             for row in scheduled.scheduled
-            if row.request.num_output_tokens < self.useful_output_len.get(row.request.request_id, 1 << 62)
+            if sampled_before(row) < self.useful_output_len.get(row.request.request_id, 1 << 62)
         )
         running = scheduler.running
         return dict(
