@@ -341,36 +341,39 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
         inputs = self._host_inputs(bucket, sampling_rows)
-        attn, bs = inputs.attention, self.block_size
-        offset, num_sampling = 0, 0
+        # Per row only what differs in length (tokens, block ids); the rest as whole columns.
+        attn, bs, num_rows = inputs.attention, self.block_size, len(rows)
+        starts = np.fromiter((row.start for row in rows), np.int32, num_rows)
+        counts = np.fromiter((row.num_new_tokens for row in rows), np.int32, num_rows)
+        ends = np.cumsum(counts, dtype=np.int32)  # where each row's tokens end among the token rows
+        num_tokens = int(ends[-1])
+        row_of_token = np.repeat(np.arange(num_rows), counts)
+        positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - (ends - counts), counts)
+        token_ids: list[int] = []
         for i, row in enumerate(rows):
-            request, start, n = row.request, row.start, row.num_new_tokens
-            end = offset + n
-            positions = np.arange(start, start + n, dtype=np.int32)
-            blocks = np.asarray(request.block_ids, np.int32)
-            # A token past the host's copy is the one the previous step samples: read on the device.
-            num_known = min(n, request.num_tokens - start)
-            inputs.token_ids[offset : offset + num_known] = request.all_token_ids[start : start + num_known]
-            if num_known < n:
-                inputs.token_sources[offset + num_known] = self._last_sampling_rows[request.request_id]
-            inputs.positions[offset:end] = positions
-            attn.slot_mapping[offset:end] = blocks[positions // bs] * bs + positions % bs
-            attn.seq_lens[i] = start + n
-            attn.block_tables[i, : len(blocks)] = blocks
+            request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
+            attn.block_tables[i, : len(request.block_ids)] = request.block_ids
+            known = request.all_token_ids[start : start + n]
+            token_ids += known
+            if len(known) < n:  # the token the previous step samples: taken from its output on the device
+                inputs.token_sources[len(token_ids)] = self._last_sampling_rows[request.request_id]
+                token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
-                inputs.token_penalty_slots[offset:end] = self.penalty_slots.slot(request.request_id)
-                inputs.token_prompt_lens[offset:end] = num_prompt
+                inputs.token_penalty_slots[offset : offset + n] = self.penalty_slots.slot(request.request_id)
+                inputs.token_prompt_lens[offset : offset + n] = num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
                 inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
-            offset = end
-            attn.query_start_loc[i + 1] = offset
-            if row.samples:  # sampling rows are compacted, in the order of sampling_rows
-                inputs.logits_indices[num_sampling] = end - 1
-                num_sampling += 1
-        attn.query_start_loc[len(rows) + 1 :] = offset
+        inputs.token_ids[:num_tokens] = token_ids
+        inputs.positions[:num_tokens] = positions
+        attn.slot_mapping[:num_tokens] = attn.block_tables[row_of_token, positions // bs] * bs + positions % bs
+        attn.seq_lens[:num_rows] = starts + counts
+        attn.query_start_loc[1 : num_rows + 1] = ends
+        attn.query_start_loc[num_rows + 1 :] = num_tokens
+        samples = np.fromiter((row.samples for row in rows), bool, num_rows)
+        inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
         self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
         return bucket, inputs
 
