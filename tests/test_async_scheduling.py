@@ -6,6 +6,7 @@ elsewhere (test_engine.py) show it right."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -16,6 +17,7 @@ from test_engine import COMPILES
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import SamplingParams
+from cbjax.cli_args import add_engine_args, engine_options
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine
 
@@ -143,3 +145,12 @@ def test_stop_found_a_step_late_shows_no_extra_token(engine):
     assert stopped.metrics.num_generation_tokens == 3
     assert math.isfinite(stopped.metrics.e2e_latency)
     assert_all_released(engine)
+
+
+def test_async_scheduling_flags_follow_vllm():
+    """vLLM's --async-scheduling / --no-async-scheduling on every serving command; on by default."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in [([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True)]:
+        assert engine_options(parser.parse_args(["--model", "m", *flags]))["async_scheduling"] is expected
+    assert EngineConfig(model="m").async_scheduling is True
