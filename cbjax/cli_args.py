@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True) -> None:
-    """The engine options every serving command takes (vLLM's flag names)."""
+def add_engine_args(
+    parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True, variants: bool = False
+) -> None:
+    """The engine options every serving command takes (vLLM's flag names). With `variants` (benchmarks),
+    --async-scheduling takes on, off or both, run side by side."""
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,
                             help="converted checkpoint or Hugging Face directory (default: built-in SmolLM2)")
@@ -38,6 +41,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching to turn off)",
     )
+    if variants:
+        parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
+                            help="one or both (both: side by side in one engine, interleaved)")
+    else:
+        parser.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+            help="schedule the next step while one runs (--no-async-scheduling: one step at a time)",
+        )
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
@@ -48,7 +59,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
-        "enable_prefix_caching coordinator num_processes process_id"
+        "enable_prefix_caching async_scheduling coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}
 

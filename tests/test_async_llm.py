@@ -44,7 +44,7 @@ def test_aborts_fired_from_another_thread_during_steps_land_between_steps(engine
     for index in range(6):
         engine.add_request(f"r{index}", {"prompt_token_ids": PROMPT[: index + 2]}, params)
     victims, fired = ["r1", "r3", "r5"], []
-    run_step = engine.runner.execute
+    run_step = engine.runner.dispatch
 
     def step_with_an_abort_from_another_thread(scheduled):
         if len(fired) < len(victims):  # one abort per step, sent while the device step is under way
@@ -54,7 +54,7 @@ def test_aborts_fired_from_another_thread_during_steps_land_between_steps(engine
             sender.join()
         return run_step(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", step_with_an_abort_from_another_thread)
+    monkeypatch.setattr(engine.runner, "dispatch", step_with_an_abort_from_another_thread)
     finished = []
     while engine.has_unfinished_requests():
         finished += [output for output in engine.step() if output.finished]
@@ -164,7 +164,7 @@ def test_health_fails_once_the_engine_loop_died(async_llm, engine, monkeypatch):
     def broken_step(scheduled):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", broken_step)
+    monkeypatch.setattr(engine.runner, "dispatch", broken_step)
     params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)
     with pytest.raises(EngineDeadError, match="device lost"):
         asyncio.run(collect(async_llm, {"prompt_token_ids": PROMPT}, params, "doomed"))

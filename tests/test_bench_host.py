@@ -62,13 +62,16 @@ def test_bench_host_reports_per_step_times_for_every_variant(checkpoint, tmp_pat
     main([
         "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "256",
         "--delays-ms", "0", "3", "--variants", "greedy", "penalties+stop", "--prompt-len", "8", "--output-len", "6",
-        "--result-json", str(path),
+        "--async-scheduling", "on", "off", "--result-json", str(path),
     ])
     result = json.loads(path.read_text())
     runs = result["runs"]
     assert result["args"]["num_running"] == [4] and result["args"]["max_model_lens"] == [128, 256]
-    assert [(r["max_model_len"], r["variant"], r["delay_ms"]) for r in runs] == [
-        (length, variant, delay) for length in (128, 256) for variant in ("greedy", "penalties+stop") for delay in (0, 3)
+    # on and off side by side, alternating which goes first
+    assert [(r["max_model_len"], r["variant"], r["delay_ms"], r["async_scheduling"]) for r in runs] == [
+        (length, variant, delay, overlap)
+        for length in (128, 256) for variant in ("greedy", "penalties+stop") for delay in (0, 3)
+        for overlap in (("on", "off") if delay == 0 else ("off", "on"))
     ]
     for run in runs:
         # 4 requests x 6 tokens, never stopped by the stop strings; the 4 prompts (32 tokens) prefill in
@@ -79,5 +82,30 @@ def test_bench_host_reports_per_step_times_for_every_variant(checkpoint, tmp_pat
         assert run["num_steps"] == 6 and run["num_measured_steps"] == 4
         assert run["device_ms_per_step"] == pytest.approx(run["delay_ms"], abs=1e-6)
         assert run["wall_ms_per_step"] >= run["delay_ms"]
-        assert 0 < run["host_ms_per_step"] <= run["wall_ms_per_step"]
+        # The synchronous loop's device always waits for the host; async scheduling may hide it all.
+        assert (0 if run["async_scheduling"] == "on" else 1e-9) <= run["host_ms_per_step"] <= run["wall_ms_per_step"]
         assert run["elapsed_s"] >= run["num_steps"] * run["delay_ms"] / 1e3
+
+
+def test_async_scheduling_launches_the_next_step_before_the_device_finishes(checkpoint):
+    """With a 50 ms device step and about a millisecond of host work, the overlapped loop queues
+    each decode step while the one before still runs (the device never waits: its next step starts
+    the moment the last one ends); the synchronous loop reads every result first, so the device
+    waits for the host between steps."""
+    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_seqs=4, max_model_len=128), precompile=False, progress=False)
+    passage = engine.tokenizer.encode(PASSAGE)
+    timeline = install_standin(engine.runner, 0.05, passage)
+    gaps = {}
+    for overlap in (True, False):
+        engine.config.async_scheduling = overlap
+        timeline.steps.clear()
+        for i in range(3):
+            engine.add_request(str(i), {"prompt_token_ids": passage[:10]}, SamplingParams(max_tokens=5, ignore_eos=True))
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished]
+        assert [out.outputs[0].token_ids for out in finished] == [passage[10:15]] * 3
+        steps = timeline.steps
+        gaps[overlap] = [later.start - earlier.end for earlier, later in zip(steps, steps[1:])]
+    assert len(gaps[True]) == len(gaps[False]) == 4 and all(gap == 0 for gap in gaps[True])
+    assert all(gap > 0 for gap in gaps[False])

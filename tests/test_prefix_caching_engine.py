@@ -66,14 +66,14 @@ def drain(engine, arrivals: dict[int, list], aborts: dict[int, list[str]]) -> di
 
 def counting_prompt_tokens(engine) -> list[int]:
     """Make `engine` count the prompt tokens its steps compute; the one-element list holds the count."""
-    count, execute = [0], engine.runner.execute
+    count, dispatch = [0], engine.runner.dispatch
 
-    def execute_and_count(scheduled):
+    def dispatch_and_count(scheduled):
         for row in scheduled.scheduled:
             count[0] += max(0, min(row.start + row.num_new_tokens, row.request.num_prompt_tokens) - row.start)
-        return execute(scheduled)
+        return dispatch(scheduled)
 
-    engine.runner.execute = execute_and_count
+    engine.runner.dispatch = dispatch_and_count
     return count
 
 
@@ -138,7 +138,7 @@ def test_n4_greedy_computes_the_prompt_once_and_gives_four_equal_completions(cac
     try:
         (out,) = cached.generate(prompt, SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     finally:
-        del cached.llm_engine.runner.execute
+        del cached.llm_engine.runner.dispatch
     # Once in full, then each other completion only its partial last block (21 - 16 tokens).
     assert count[0] == 21 + 3 * 5
     alone = uncached.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -166,7 +166,7 @@ def test_penalised_n2_computes_its_prompt_per_completion(cached):
         params = SamplingParams(n=2, temperature=0.0, presence_penalty=0.5, max_tokens=3, ignore_eos=True)
         (out,) = cached.generate({"prompt_token_ids": list(range(10, 31))}, params, use_tqdm=False)
     finally:
-        del cached.llm_engine.runner.execute
+        del cached.llm_engine.runner.dispatch
     assert count[0] == 2 * 21 and out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
 
@@ -179,7 +179,7 @@ def test_prompt_logprobs_n2_scores_its_whole_prompt_despite_a_cached_prefix(cach
         params = SamplingParams(n=2, temperature=0.0, prompt_logprobs=0, max_tokens=3, ignore_eos=True)
         (out,) = cached.generate(prompt, params, use_tqdm=False)
     finally:
-        del cached.llm_engine.runner.execute
+        del cached.llm_engine.runner.dispatch
     assert count[0] == 2 * 21 and out.num_cached_tokens == 0
     assert len(out.prompt_logprobs) == 21 and out.prompt_logprobs[0] is None
     assert all(len(entry) == 1 and token in entry for token, entry in zip(range(11, 31), out.prompt_logprobs[1:]))

@@ -286,7 +286,7 @@ class FakeModel:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         for item in output.scheduled:
             request = item.request
-            assert item.start == request.num_computed_tokens
+            assert item.start + item.num_new_tokens == request.num_computed_tokens  # counted when scheduled
             for position in range(item.start, item.start + item.num_new_tokens):
                 entry = (request.request_id, position, request.all_token_ids[position])
                 self.kv_pool[self.slot(request, position)] = entry

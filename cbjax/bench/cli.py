@@ -110,7 +110,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     from cbjax.bench.recorder import StepRecorder, step_series
     from cbjax.bench.throughput import run_throughput
 
-    engine = build_engine(args)
+    engine = build_engine(args, async_scheduling=True)
     requests = synthetic_requests(args, engine.model_config.vocab_size)
     recorder = StepRecorder(engine)
     warm_up(recorder)
@@ -118,9 +118,11 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):  # interleaved, so drifting machine load hits every variant alike
         for scheduling in args.scheduling:
             # A B, then B A: machine load drifting over a repeat hits both variants alike.
-            for caching in args.prefix_caching if repeat % 2 == 0 else reversed(args.prefix_caching):
-                variant = scheduling if len(args.prefix_caching) == 1 else f"{scheduling} caching-{caching}"
+            for caching, overlap in on_off_variants(args.prefix_caching, args.async_scheduling, reverse=repeat % 2 == 1):
+                variant = " ".join([scheduling] + [f"{name}-{value}" for name, value, values in (
+                    ("caching", caching, args.prefix_caching), ("async", overlap, args.async_scheduling)) if len(values) > 1])
                 set_prefix_caching(engine, caching == "on")
+                engine.config.async_scheduling = overlap == "on"
                 result = run_throughput(recorder, requests, scheduling, label=f"{variant}{repeat}")
                 runs.append(result | {"variant": variant, "repeat": repeat})
                 series[variant] = step_series(recorder.records)
@@ -133,16 +135,20 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         ratio = medians["continuous"]["output_throughput"] / medians["static"]["output_throughput"]
         result["continuous_over_static_output_throughput"] = ratio
         print(f"continuous / static output throughput: {ratio:.2f}x")
-    for scheduling in args.scheduling:
-        on, off = medians.get(f"{scheduling} caching-on"), medians.get(f"{scheduling} caching-off")
-        if on and off:
+    for name in list(medians):
+        for option in ("caching", "async"):
+            off_name = name.replace(f"{option}-on", f"{option}-off")
+            on, off = medians[name], medians.get(off_name)
+            if off_name == name or off is None:
+                continue
+            key = name.replace(f" {option}-on", "").replace(" ", "_")
             ratio = on["output_throughput"] / off["output_throughput"]
-            result[f"{scheduling}_caching_on_over_off_output_throughput"] = ratio
+            result[f"{key}_{option}_on_over_off_output_throughput"] = ratio
             # Each repeat's on and off ran back to back, so their ratio cancels load that drifts between repeats.
             by_run = {(r["variant"], r["repeat"]): r["output_throughput"] for r in runs}
-            pairs = [by_run[f"{scheduling} caching-on", i] / by_run[f"{scheduling} caching-off", i] for i in range(args.repeats)]
-            result[f"{scheduling}_caching_on_over_off_pair_ratios"] = pairs
-            print(f"{scheduling}: prefix caching on / off output throughput {ratio:.3f}x (median of per-repeat pair "
+            pairs = [by_run[name, i] / by_run[off_name, i] for i in range(args.repeats)]
+            result[f"{key}_{option}_on_over_off_pair_ratios"] = pairs
+            print(f"{name}: {option} on / off output throughput {ratio:.3f}x (median of per-repeat pair "
                   f"ratios {statistics.median(pairs):.3f}x, range {min(pairs):.3f}-{max(pairs):.3f}), "
                   f"mean TTFT {on['mean_ttft_ms']:.0f} vs {off['mean_ttft_ms']:.0f} ms")
     write_json(args.result_json, result)
@@ -150,6 +156,13 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         from cbjax.bench.plots import plot_steps
 
         print("plots:", *plot_steps(pathlib.Path(args.plot), series))
+
+
+def on_off_variants(caching: list[str], overlap: list[str], reverse: bool) -> list[tuple[str, str]]:
+    """Every (prefix caching, async scheduling) pair; reversed on odd repeats (A B, then B A), so
+    machine load drifting over a repeat hits every variant alike."""
+    pairs = [(c, a) for c in caching for a in overlap]
+    return pairs[::-1] if reverse else pairs
 
 
 def set_prefix_caching(engine, enabled: bool) -> None:
@@ -274,7 +287,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = sub.add_parser("throughput", help="offline synthetic requests; continuous vs static batching")
-    add_engine_args(p)
+    add_engine_args(p, variants=True)
     add_dataset_args(p)
     p.add_argument(
         "--scheduling", nargs="+", default=["continuous"], choices=["continuous", "static"],

@@ -115,9 +115,8 @@ def simulate_paged(requests, num_blocks: int, block_size: int, max_model_len: in
     full_running, full_waste = [], []  # steps with a non-empty queue: the pool, not demand, limits the batch
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        new = {row.request.request_id: row.num_new_tokens for row in out.scheduled}
         allocated = sum(len(r.block_ids) for r in scheduler.running) * block_size
-        holding = sum(r.num_computed_tokens + new.get(r.request_id, 0) for r in scheduler.running)
+        holding = sum(r.num_computed_tokens for r in scheduler.running)  # counted when scheduled
         running.append(len(scheduler.running))
         waste.append(1 - holding / allocated if allocated else 0.0)
         if scheduler.num_waiting:

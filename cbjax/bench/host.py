@@ -44,13 +44,13 @@ STOP_STRINGS = ["\nUser:", "</answer>"]  # not in PASSAGE: checked every step, n
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
-SETTING = ["max_model_len", "variant", "num_running", "delay_ms"]
+SETTING = ["max_model_len", "variant", "num_running", "delay_ms", "async_scheduling"]
 TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
 KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
-             variant: str, delay_s: float) -> dict[str, Any]:
+             variant: str, delay_s: float, async_scheduling: str = "on") -> dict[str, Any]:
     """One run: `num_running` requests from start to finish; medians over the steps all of them decode."""
     from cbjax.sampling_params import SamplingParams
 
@@ -58,6 +58,7 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, **VARIANTS[variant])
     timeline.delay_s = delay_s
     timeline.steps.clear()
+    engine.config.async_scheduling = async_scheduling == "on"
     for i in range(num_running):
         engine.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params)
     finished = []
@@ -71,7 +72,7 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
         raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
     return {
         "max_model_len": engine.config.max_model_len, "variant": variant, "num_running": num_running,
-        "delay_ms": delay_s * 1e3, "prompt_len": prompt_len, "output_len": output_len,
+        "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling, "prompt_len": prompt_len, "output_len": output_len,
         "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
         "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
@@ -109,6 +110,7 @@ def build_standin_engine(args: argparse.Namespace, max_model_len: int):
     num_kv_blocks = max(max_running * blocks_per_request, -(-max_model_len // args.block_size)) + 1
     options = engine_options(args) | {
         "max_model_len": max_model_len, "max_num_seqs": max(args.max_num_seqs, max_running), "num_kv_blocks": num_kv_blocks,
+        "async_scheduling": True,  # each run sets its own
     }
     engine = LLMEngine(EngineConfig(model=args.model, **options), precompile=False, progress=False)
     return engine, install_standin(engine.runner, 0.0, engine.tokenizer.encode(PASSAGE))
@@ -123,9 +125,11 @@ def cmd_host(args: argparse.Namespace) -> None:
             for variant in args.variants:
                 for num_running in args.num_running:
                     for delay_ms in args.delays_ms:
-                        runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
-                                             variant, delay_ms / 1e3))
-                        print_table(runs[-1:], KEYS)
+                        pair = len(runs) // len(args.async_scheduling)  # A B, then B A: side by side, fairly
+                        for overlap in args.async_scheduling if pair % 2 == 0 else reversed(args.async_scheduling):
+                            runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
+                                                 variant, delay_ms / 1e3, overlap))
+                            print_table(runs[-1:], KEYS)
     medians = medians_by_setting(runs)
     print(f"\nmedians over {args.repeats} repeat(s):")
     print_table(medians, [*SETTING, *TIMES])
@@ -135,7 +139,7 @@ def cmd_host(args: argparse.Namespace) -> None:
 
 def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("host", help="host time per step of the real engine against a stand-in device of fixed step time")
-    add_engine_args(p)
+    add_engine_args(p, variants=True)
     p.add_argument("--num-running", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--max-model-lens", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0, 5.0], help="device time per step")

@@ -69,11 +69,12 @@ class StepRecorder:
 
     def _snapshot(self, bucket: Any, scheduled: Any) -> dict[str, Any]:
         scheduler, block_manager = self.engine.scheduler, self.engine.block_manager
-        new_tokens = {row.request.request_id: row.num_new_tokens for row in scheduled.scheduled}
+        # Output tokens sampled before this step, those a step still in flight samples included.
+        sampled_before = lambda row: row.request.num_output_tokens + row.request.num_output_placeholders - row.samples  # noqa: E731
         useful = sum(
             row.num_new_tokens
             for row in scheduled.scheduled
-            if row.request.num_output_tokens < self.useful_output_len.get(row.request.request_id, 1 << 62)
+            if sampled_before(row) < self.useful_output_len.get(row.request.request_id, 1 << 62)
         )
         running = scheduler.running
         return dict(
@@ -87,7 +88,7 @@ class StepRecorder:
             kv_blocks_used=block_manager.num_usable_blocks - block_manager.num_free_blocks,
             kv_blocks_total=block_manager.num_usable_blocks,
             kv_allocated_slots=sum(len(r.block_ids) for r in running) * block_manager.block_size,
-            kv_token_slots=sum(r.num_computed_tokens + new_tokens.get(r.request_id, 0) for r in running),
+            kv_token_slots=sum(r.num_computed_tokens for r in running),  # counted when scheduled
         )
 
     def step(self) -> list[Any]:

@@ -22,7 +22,7 @@ from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids, shares_prompt
 from cbjax.engine.penalty_state import penalty_state_bytes
 from cbjax.engine.request import Request, RequestStatus
-from cbjax.engine.runner import SUPPRESS_LEN, ModelRunner, kv_cache_dtype
+from cbjax.engine.runner import SUPPRESS_LEN, LaunchedStep, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
 from cbjax.engine.sharding import TensorParallel
 from cbjax.models.llama import kv_cache_bytes_per_block
@@ -105,6 +105,7 @@ class LLMEngine:
         # them between device steps, so an abort never lands inside a step.
         self.pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
+        self.in_flight: LaunchedStep | None = None  # async scheduling: launched, its tokens not read yet
         self.last_step_num_tokens = 0  # tokens the latest step computed (prompt chunks + decodes)
         if precompile:
             start = time.perf_counter()
@@ -192,12 +193,29 @@ class LLMEngine:
         self.pending_aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.pending_aborts)
+        return self.scheduler.has_unfinished_requests() or bool(self.pending_aborts) or self.in_flight is not None
 
     # ---- the loop -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one device step, record the tokens: the outputs of requests that progressed."""
+        """Schedule and launch a device step, record a step's tokens: the outputs of requests that progressed.
+
+        The step recorded is the one just launched, or with async scheduling the one launched
+        before it, read while the new one runs (which takes its decode tokens from that step's
+        output on the device): the host's work overlaps the device's.
+        """
+        outputs = self._apply_aborts()
+        scheduled = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduled.num_scheduled_tokens
+        launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
+        self.num_steps += launched is not None
+        if self.config.async_scheduling:
+            launched, self.in_flight = self.in_flight, launched
+        if launched is not None:
+            outputs += self._record(launched)
+        return outputs
+
+    def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []
         while self.pending_aborts:
             parent = self.requests.get(self.pending_aborts.popleft())
@@ -206,17 +224,20 @@ class LLMEngine:
                     self.scheduler.abort_request(child.request_id)
                     self.runner.release_request(child.request_id)
                 outputs.append(self._finish_output(parent))
-        scheduled = self.scheduler.schedule()
-        self.last_step_num_tokens = scheduled.num_scheduled_tokens
-        if not scheduled.scheduled:
-            return outputs
-        sampled, prompt_logprobs = self.runner.execute(scheduled)
-        self.num_steps += 1
-        for request_id, chunk in prompt_logprobs.items():
-            self.output_processor.add_prompt_logprobs(request_id, chunk)
-        self.scheduler.update(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        return outputs
+
+    def _record(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens into its requests. A request finished since the step was
+        launched (aborted, or stopped by the step before) is skipped: its speculative token is
+        never shown or counted, and its blocks and penalty slot are already free."""
+        rows = [row for row in launched.scheduled.scheduled if not row.request.is_finished]
+        sampled, prompt_logprobs = self.runner.collect(launched)
+        for row in rows:
+            if row.request.request_id in prompt_logprobs:
+                self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
+        self.scheduler.update(launched.scheduled, {rid: s.token_id for rid, s in sampled.items()})
         progressed: dict[str, ParentRequest] = {}
-        for row in scheduled.scheduled:
+        for row in rows:
             request = row.request
             if request.request_id not in sampled:
                 continue
@@ -233,9 +254,7 @@ class LLMEngine:
                 self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]
             progressed[parent.request_id] = parent
-        for parent in progressed.values():
-            outputs.append(self._finish_output(parent) if parent.finished else self.output_processor.make_output(parent))
-        return outputs
+        return [self._finish_output(p) if p.finished else self.output_processor.make_output(p) for p in progressed.values()]
 
     def _finish_output(self, parent: ParentRequest) -> RequestOutput:
         del self.requests[parent.request_id]

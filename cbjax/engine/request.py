@@ -49,8 +49,12 @@ class Request:
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)
-    # KV entries written for all_token_ids[:num_computed_tokens]; reset to 0 on preemption.
+    # KV entries written, or being written by a launched step, for the first num_computed_tokens
+    # tokens (advanced when a step is scheduled); reset to 0 on preemption.
     num_computed_tokens: int = field(init=False, default=0)
+    # Tokens sampled by launched steps whose results the host has not read yet (vLLM's
+    # num_output_placeholders): at most one, or two while the next step is scheduled.
+    num_output_placeholders: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     block_ids: list[int] = field(init=False, default_factory=list)
     # Chained hashes of the full blocks of all_token_ids (prefix caching), grown as tokens arrive.

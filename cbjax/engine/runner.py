@@ -4,7 +4,8 @@ Every step is one call of an executable compiled at start-up: the host packs
 the step's metadata into one int32 buffer (one transfer in), the pool and the
 penalty state are donated (updated in place), sampling runs inside the step, and
 the sampled tokens, their logprobs and any prompt logprobs come back packed in
-one buffer (one transfer out).
+one buffer (one transfer out). The sampled tokens also stay on the device for the next
+step: a token the host has not read yet (async scheduling) is taken from there.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class StepInputs:
     """Everything a step reads besides the weights and the pool (numpy on host, arrays in the step)."""
 
     token_ids: Int[Array, "tokens"]
+    # The previous step's sampling row whose token this is (not yet on the host), else -1.
+    token_sources: Int[Array, "tokens"]
     positions: Int[Array, "tokens"]
     logits_indices: Int[Array, "reqs"]  # last new token of each sampling request, compacted
     attention: AttentionMetadata
@@ -67,6 +70,16 @@ class StepOutputs:
 
     sampled: SamplerOutput  # per sampling row
     prompt: TokenLogprobs  # per token row: the logprob of prompt_logprob_targets
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step started on the device; its packed result may still be being computed."""
+
+    scheduled: SchedulerOutput
+    bucket: Bucket
+    inputs: StepInputs
+    result: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +150,10 @@ class ModelRunner:
         self.penalty_slots = PenaltySlots(config.max_num_seqs)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
         self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
+        # The latest step's sampled tokens, kept on the device (padded to the widest bucket), and
+        # each request's row in them: the next step reads from there the tokens the host lacks.
+        self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
+        self._last_sampling_rows: dict[str, int] = {}
         self.compiled: dict[Bucket, Any] = {}
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
@@ -161,6 +178,11 @@ class ModelRunner:
             penalty_state = jax.device_put(penalty_state, tensor_parallel.replicated)
         return weights, treedef, kv_caches, penalty_state
 
+    def _last_sampled_buffer(self, num_rows: int) -> jax.Array:
+        """The device buffer of the latest step's sampled tokens (replicated under TP)."""
+        buffer = jnp.zeros(num_rows, jnp.int32)
+        return buffer if self.tensor_parallel is None else jax.device_put(buffer, self.tensor_parallel.replicated)
+
     # ---- shapes -------------------------------------------------------------
 
     def _host_inputs(self, bucket: Bucket, sampling_rows: list[SamplingRow] = ()) -> StepInputs:
@@ -169,6 +191,7 @@ class ModelRunner:
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return StepInputs(
             token_ids=zeros(num_tokens),
+            token_sources=np.full(num_tokens, -1, np.int32),
             positions=zeros(num_tokens),
             logits_indices=zeros(num_reqs),
             attention=AttentionMetadata(
@@ -199,18 +222,21 @@ class ModelRunner:
         state_treedef = self._state_treedef
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(weights, kv_caches, penalty_state, packed):
+        def step(weights, kv_caches, penalty_state, last_sampled, packed):
             inputs: StepInputs = unpack(packed, layout)
+            token_ids = jnp.where(
+                inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
+            )
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weights))
             hidden, kv_caches = model.hidden_states(
-                inputs.token_ids,
+                token_ids,
                 inputs.positions,
                 kv_caches,
                 inputs.attention,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
             logits = model.compute_logits(hidden[inputs.logits_indices])
-            penalty_state = record_step_tokens(penalty_state, inputs.token_ids, inputs.positions,
+            penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
             if mesh is None:
                 sampled = sample(logits, inputs.sampling, penalty_state, num_logprobs)
@@ -220,9 +246,10 @@ class ModelRunner:
                 sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
             )
-            return kv_caches, penalty_state, pack_device(outputs)
+            last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
+            return kv_caches, penalty_state, last_sampled, pack_device(outputs)
 
-        return jax.jit(step, donate_argnums=(1, 2), **self._shardings)
+        return jax.jit(step, donate_argnums=(1, 2, 3), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
@@ -238,8 +265,8 @@ class ModelRunner:
         """
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
-        self.kv_caches, self.penalty_state, result = self._executable(bucket)(
-            self.weights, self.kv_caches, self.penalty_state, packed
+        self.kv_caches, self.penalty_state, self.last_sampled, result = self._executable(bucket)(
+            self.weights, self.kv_caches, self.penalty_state, self.last_sampled, packed
         )
         return result
 
@@ -263,7 +290,7 @@ class ModelRunner:
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         with jax.default_matmul_precision(self.matmul_precision):  # read while tracing: every dot of the step
             return self._step_fn(bucket, self.backend).lower(
-                self.weights, self.kv_caches, self.penalty_state, self._packed_struct(bucket)
+                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self._packed_struct(bucket)
             )
 
     def _executable(self, bucket: Bucket) -> Any:
@@ -297,7 +324,9 @@ class ModelRunner:
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
-            self.kv_caches, self.penalty_state, result = compiled(self.weights, self.kv_caches, self.penalty_state, pack(inputs))
+            self.kv_caches, self.penalty_state, self.last_sampled, result = compiled(
+                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, pack(inputs)
+            )
             result.block_until_ready()
 
     def peak_step_bytes(self) -> int:
@@ -316,7 +345,7 @@ class ModelRunner:
         target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target:
             return self._step_fn(bucket, backend).trace(
-                abstract(self.weights), abstract(self.kv_caches), abstract(self.penalty_state), self._packed_struct(bucket)
+                *abstract((self.weights, self.kv_caches, self.penalty_state, self.last_sampled)), self._packed_struct(bucket)
             ).lower(lowering_platforms=(platform,))
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
@@ -347,43 +376,53 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
         inputs = self._host_inputs(bucket, sampling_rows)
-        attn, bs = inputs.attention, self.block_size
-        offset, num_sampling = 0, 0
+        # Per row only what differs in length (tokens, block ids); the rest as whole columns.
+        attn, bs, num_rows = inputs.attention, self.block_size, len(rows)
+        starts = np.fromiter((row.start for row in rows), np.int32, num_rows)
+        counts = np.fromiter((row.num_new_tokens for row in rows), np.int32, num_rows)
+        ends = np.cumsum(counts, dtype=np.int32)  # where each row's tokens end among the token rows
+        num_tokens = int(ends[-1])
+        row_of_token = np.repeat(np.arange(num_rows), counts)
+        positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - (ends - counts), counts)
+        token_ids: list[int] = []
         for i, row in enumerate(rows):
-            request, start, n = row.request, row.start, row.num_new_tokens
-            end = offset + n
-            positions = np.arange(start, start + n, dtype=np.int32)
-            blocks = np.asarray(request.block_ids, np.int32)
-            inputs.token_ids[offset:end] = request.all_token_ids[start : start + n]
-            inputs.positions[offset:end] = positions
-            attn.slot_mapping[offset:end] = blocks[positions // bs] * bs + positions % bs
-            attn.seq_lens[i] = start + n
-            attn.block_tables[i, : len(blocks)] = blocks
+            request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
+            attn.block_tables[i, : len(request.block_ids)] = request.block_ids
+            known = request.all_token_ids[start : start + n]
+            token_ids += known
+            if len(known) < n:  # the token the previous step samples: taken from its output on the device
+                inputs.token_sources[len(token_ids)] = self._last_sampling_rows[request.request_id]
+                token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
-                inputs.token_penalty_slots[offset:end] = self.penalty_slots.slot(request.request_id)
-                inputs.token_prompt_lens[offset:end] = num_prompt
+                inputs.token_penalty_slots[offset : offset + n] = self.penalty_slots.slot(request.request_id)
+                inputs.token_prompt_lens[offset : offset + n] = num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
                 inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
-            offset = end
-            attn.query_start_loc[i + 1] = offset
-            if row.samples:  # sampling rows are compacted, in the order of sampling_rows
-                inputs.logits_indices[num_sampling] = end - 1
-                num_sampling += 1
-        attn.query_start_loc[len(rows) + 1 :] = offset
+        inputs.token_ids[:num_tokens] = token_ids
+        inputs.positions[:num_tokens] = positions
+        attn.slot_mapping[:num_tokens] = attn.block_tables[row_of_token, positions // bs] * bs + positions % bs
+        attn.seq_lens[:num_rows] = starts + counts
+        attn.query_start_loc[1 : num_rows + 1] = ends
+        attn.query_start_loc[num_rows + 1 :] = num_tokens
+        samples = np.fromiter((row.samples for row in rows), bool, num_rows)
+        inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
+        self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
         return bucket, inputs
 
     def _sampling_row(self, request: Any) -> SamplingRow:
         params = request.sampling_params
+        # The index of the token sampled now: the scheduler already counts it as a placeholder.
+        output_index = request.num_output_tokens + request.num_output_placeholders - 1
         suppress: list[int] = []
-        if request.num_output_tokens < params.min_tokens:
+        if output_index < params.min_tokens:
             suppress = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
         return SamplingRow(
             params=params,
             seed=request_seed(self.config.seed, request.request_id, params.seed),
-            counter=request.num_output_tokens,
+            counter=output_index,
             suppress_token_ids=suppress,
             penalty_slot=self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT,
         )
@@ -395,13 +434,26 @@ class ModelRunner:
     def execute(
         self, scheduled: SchedulerOutput
     ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobsChunk]]:
-        """Run one step: the sampled token of every request that samples in it, and the prompt
-        logprobs scored in it for requests that asked for them."""
+        """Run one step and wait for it (see `collect`)."""
+        return self.collect(self.dispatch(scheduled))
+
+    def dispatch(self, scheduled: SchedulerOutput) -> LaunchedStep:
+        """Start one step without waiting for it."""
         bucket, inputs = self.prepare(scheduled)
-        packed = pack(inputs)
         with peer_failures(self.step_broadcast):  # multi-host: a dead peer fails the step's collectives
-            result = np.asarray(self.launch(bucket, packed))
-        out: StepOutputs = unpack_host(result, self._out_layouts[bucket])
+            result = self.launch(bucket, pack(inputs))
+        result.copy_to_host_async()  # the read-back starts as soon as the step ends
+        return LaunchedStep(scheduled, bucket, inputs, result)
+
+    def collect(
+        self, launched: LaunchedStep
+    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobsChunk]]:
+        """Wait for a launched step: the sampled token of every request that samples in it, and the
+        prompt logprobs scored in it for requests that asked for them."""
+        scheduled, inputs = launched.scheduled, launched.inputs
+        with peer_failures(self.step_broadcast):
+            result = np.asarray(launched.result)
+        out: StepOutputs = unpack_host(result, self._out_layouts[launched.bucket])
         sampled, logprobs = {}, out.sampled.logprobs
         for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
             n = row.request.sampling_params.logprobs or 0

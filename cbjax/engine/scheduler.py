@@ -9,6 +9,12 @@ prompt chunk beyond that waits for the next step. A running request that cannot 
 preempts the most recently admitted running request (possibly itself) by recompute,
 and nobody new is admitted in that step.
 
+Progress is counted when a step is scheduled (vLLM V1's way): a request's num_computed_tokens
+covers the tokens of launched steps, and a token such a step will sample is a placeholder
+(`num_output_placeholders`) until `update` reads it. So the next step can be scheduled while
+one runs (async scheduling): a request whose sampled token is still a placeholder decodes it,
+the runner taking its value on the device.
+
 A waiting request starts after the longest chain of its blocks found in the prefix cache
 (the block manager's answer); it needs blocks only for the rest. A request can be held
 until another request has computed its prompt (the completions of one prompt, n > 1), so
@@ -29,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """Compute all_token_ids[start : start + num_new_tokens] of `request`."""
+    """Compute tokens start ... start + num_new_tokens - 1 of `request` (the last may be a
+    placeholder: the token the previous step samples)."""
 
     request: Request
     num_new_tokens: int
@@ -217,23 +224,24 @@ class Scheduler:
         return SchedulerOutput(scheduled, [request.request_id for request in preempted])
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Record the step's computed tokens and sampled tokens; return the requests that finished."""
+        """Record the step's sampled tokens and cache the blocks it filled; return the requests that
+        finished. A request finished since the step was scheduled (an abort, or a stop found in the
+        step before) is skipped: what the step computed for it is discarded."""
         finished = []
         for item in scheduler_output.scheduled:
             request = item.request
-            if request.is_finished:  # aborted between schedule() and update()
+            if request.is_finished:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
-            if not item.samples:
-                continue
-            request.append_output_token(sampled_token_ids[request.request_id])
-            if request.first_token_time is None:
-                request.first_token_time = self.clock()
-            status = self._stop_status(request)
+            if item.samples:
+                request.num_output_placeholders -= 1
+                request.append_output_token(sampled_token_ids[request.request_id])
+                if request.first_token_time is None:
+                    request.first_token_time = self.clock()
+            if request.status == RequestStatus.RUNNING:  # (a request preempted since holds no blocks)
+                self.block_manager.cache_full_blocks(request)
+            status = self._stop_status(request) if item.samples else None
             if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+                self.finish_request(request.request_id, status)
                 finished.append(request)
         return finished
 
@@ -241,7 +249,9 @@ class Scheduler:
         self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0
     ) -> int:
         """Tokens to compute for `request` this step (after `num_cached_tokens` found cached); 0 if all must wait."""
-        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+        if request.num_output_placeholders and self._reaches_length_limit(request, request.num_output_placeholders):
+            return 0  # its pending token ends it: a step for it would be thrown away
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens - num_cached_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         if num_new_tokens > token_budget:
@@ -253,7 +263,9 @@ class Scheduler:
     def _allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> ScheduledRequest:
         self.block_manager.allocate(request, num_new_tokens, computed_blocks)
         start = request.num_computed_tokens
-        samples = start + num_new_tokens == request.num_tokens
+        samples = start + num_new_tokens == request.num_tokens + request.num_output_placeholders
+        request.num_computed_tokens += num_new_tokens
+        request.num_output_placeholders += samples
         return ScheduledRequest(request, num_new_tokens, start, samples)
 
     def _release_held(self) -> None:
@@ -275,12 +287,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _reaches_length_limit(self, request: Request, pending: int = 0) -> bool:
+        """Its tokens and `pending` more reach max_model_len or max_tokens."""
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens + pending >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + pending >= max_tokens
+        )
+
     def _stop_status(self, request: Request) -> RequestStatus | None:
         """vLLM's stop check, run after each sampled token: length first, then eos and stop ids."""
         params = request.sampling_params
-        if request.num_tokens >= self.max_model_len or (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-        ):
+        if self._reaches_length_limit(request):
             return RequestStatus.FINISHED_LENGTH
         if request.num_output_tokens < params.min_tokens:
             return None

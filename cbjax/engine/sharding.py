@@ -136,10 +136,11 @@ def _is_kv_projection(name: str) -> bool:
 
 
 def step_shardings(tensor_parallel: TensorParallel, weights: list[jax.Array]) -> dict[str, tuple]:
-    """jax.jit's in/out shardings of a step (weights, kv_caches, penalty_state, packed) ->
-    (kv_caches, penalty_state, packed); the penalty state is whole on every device, as the sampler reads it."""
+    """jax.jit's in/out shardings of a step (weights, kv_caches, penalty_state, last_sampled, packed) ->
+    (kv_caches, penalty_state, last_sampled, packed); the penalty state is whole on every device, as the
+    sampler reads it."""
     pool, replicated = tensor_parallel.pool_sharding, tensor_parallel.replicated
     return {
-        "in_shardings": ([w.sharding for w in weights], pool, replicated, replicated),
-        "out_shardings": (pool, replicated, replicated),
+        "in_shardings": ([w.sharding for w in weights], pool, replicated, replicated, replicated),
+        "out_shardings": (pool, replicated, replicated, replicated),
     }
