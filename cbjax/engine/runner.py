@@ -24,7 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
+from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
@@ -218,22 +218,32 @@ class ModelRunner:
         )
         return result
 
-    def precompile(self, progress: bool = True) -> None:
-        """Compile every bucket now, so that serving never compiles.
+    def precompile(self, progress: bool = True, buckets: list[Bucket] | None = None) -> None:
+        """Compile every bucket now (or only `buckets`, for a caller that knows its steps), so that
+        serving never compiles.
 
         XLA compiles outside the GIL, so buckets compile on all cores at once. They are traced
         one after another first: tracing in parallel threads made the HLO differ from run to run
         (a constant shared by the layers was sometimes built twice), so the persistent
-        compilation cache missed.
+        compilation cache missed. Buckets that lower to the same program share one executable.
         """
-        logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
-        lowered = {bucket: self._lower(bucket) for bucket in self.buckets}
+        buckets = self.buckets if buckets is None else buckets
+        logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in buckets])
+        shapes = self._step_shapes(buckets)
+        lowered = {shape: self._lower(shape) for shape in dict.fromkeys(shapes.values())}
+        executables = {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {pool.submit(lowered[bucket].compile): bucket for bucket in self.buckets}
+            futures = {pool.submit(lowered[shape].compile): shape for shape in lowered}
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
-                self.compiled[futures[future]] = future.result()
+                executables[futures[future]] = future.result()
+        for bucket, shape in shapes.items():
+            self.compiled[bucket] = executables[shape]
         self.warm_up()
+
+    def _step_shapes(self, buckets: list[Bucket]) -> dict[Bucket, Bucket]:
+        # The C++ kernel runs a decode-only step as it runs a mixed one (AttentionPlan.decode_only unused).
+        return step_shapes(buckets, decode_runs_as_mixed=self.backend == "cpp")
 
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         return self._step_fn(bucket, self.backend).lower(
@@ -244,6 +254,9 @@ class ModelRunner:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
         compiled = self.compiled.get(bucket)
         if compiled is None:
+            shapes = self._step_shapes(self.buckets)
+            compiled = next((self.compiled[b] for b in self.compiled if shapes[b] == shapes[bucket]), None)
+        if compiled is None:
             if not self._warned_on_demand:
                 self._warned_on_demand = True
                 logger.warning(
@@ -253,7 +266,8 @@ class ModelRunner:
                     len(self.buckets),
                 )
             logger.info("compiling step bucket %s on demand", bucket)
-            compiled = self.compiled[bucket] = self._lower(bucket).compile()
+            compiled = self._lower(bucket).compile()
+        self.compiled[bucket] = compiled
         return compiled
 
     def warm_up(self) -> None:
@@ -263,11 +277,16 @@ class ModelRunner:
         belong to start-up, not to the first requests that happen to need that bucket. XLA:CPU
         also sets up the library calls inside the attention's KV loop on their first run, so the
         warm-up request attends to one position (all-padding inputs would skip the loop's body).
+        An executable that serves several buckets runs once.
         """
         # In bucket order, not compile-completion order: every process of a multi-host engine must
         # run the same steps (collectives) in the same order.
+        warmed = set()
         for bucket in sorted(self.compiled, key=self._bucket_index.__getitem__):
             compiled = self.compiled[bucket]
+            if id(compiled) in warmed:
+                continue
+            warmed.add(id(compiled))
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
