@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from cbjax.engine.buckets import MIN_ROWS, Bucket, compute_buckets, pick_bucket, step_shapes
+from cbjax.engine.buckets import MIN_ROWS, Bucket, compute_buckets, one_request_buckets, pick_bucket, step_shapes
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 
 
@@ -39,6 +39,16 @@ def test_decode_and_mixed_buckets_of_one_shape_share_an_executable_where_attenti
     assert all(shared[b] == b for b in buckets if b.num_tokens > 64 or b.num_tokens == 8)
     # Where decode steps have an attention path of their own, every bucket is its own program.
     assert step_shapes(buckets, decode_runs_as_mixed=False) == {b: b for b in buckets}
+
+
+def test_one_request_needs_the_buckets_of_its_prompt_chunks_and_of_decoding():
+    buckets = compute_buckets(max_num_seqs=1, max_num_batched_tokens=128)  # `cbjax generate`'s engine
+    assert [(b.kind, b.num_tokens) for b in buckets] == [("decode", 2), ("mixed", 16), ("mixed", 32), ("mixed", 64), ("mixed", 128)]
+    # Hand-worked: a 40-token prompt is one chunk (64-token bucket); 300 tokens are 128 + 128 + 44 (64).
+    assert one_request_buckets(buckets, 40, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2)]
+    assert one_request_buckets(buckets, 300, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2), Bucket("mixed", 128, 2)]
+    # A one-token last chunk (129 = 128 + 1) is a decode-only step.
+    assert one_request_buckets(buckets, 129, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 128, 2)]
 
 
 def test_a_lone_request_runs_in_a_two_row_step():

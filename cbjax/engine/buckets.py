@@ -79,3 +79,11 @@ def pick_bucket(buckets: list[Bucket], kind: str, num_tokens: int, num_reqs: int
             f"largest is {max((b for b in buckets if b.kind == kind), default=None)}"
         )
     return min(fitting, key=lambda b: (b.num_tokens, b.num_reqs))
+
+
+def one_request_buckets(buckets: list[Bucket], num_prompt_tokens: int, max_num_batched_tokens: int) -> list[Bucket]:
+    """The buckets one request alone runs in: its prompt in chunks of at most max_num_batched_tokens
+    (the scheduler's chunked prefill), then one-token decodes."""
+    chunks = {min(max_num_batched_tokens, num_prompt_tokens - start) for start in range(0, num_prompt_tokens, max_num_batched_tokens)}
+    needed = {pick_bucket(buckets, "decode" if n == 1 else "mixed", n, 1) for n in chunks | {1}}
+    return sorted(needed, key=buckets.index)
