@@ -59,12 +59,13 @@ def test_second_engine_in_a_new_process_compiles_nothing(tmp_path):
     first = run_engine_process(checkpoint, tmp_path / "cache")
     assert first["compiles"] >= 3, "the first process should compile every step bucket into the default cache"
     second = run_engine_process(checkpoint, tmp_path / "cache")
-    assert second["requests"] == first["requests"]
     assert second["compiles"] == 0
     assert second["tokens"] == first["tokens"]
     assert list((tmp_path / "cache" / "xla").iterdir()), "the default cache lives under CBJAX_CACHE_DIR/xla"
     # The C++ kernel runs decode steps as mixed ones: decode 16 rows and mixed 16 tokens are one program.
-    assert first["step_programs"] == second["step_programs"] == (3 if first["backend"] == "cpp" else 4)
+    assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4)
+    # The second process loads the compiled steps whole: it does not even trace them.
+    assert second["step_programs"] == 0
 
 
 def test_cache_is_on_by_default_and_off_by_none_or_the_env_flag(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
+from cbjax.engine.compile_cache import StepCache, compile_cache_folder
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
@@ -137,6 +138,10 @@ class ModelRunner:
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
         self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
+        # Whole compiled steps, keyed without tracing (one device only: sharded steps go through JAX's cache alone).
+        folder = compile_cache_folder(config.compilation_cache_dir, jax.devices()[0])
+        single_device = tensor_parallel is None and getattr(config, "num_processes", 1) == 1
+        self.step_cache = StepCache(folder) if folder is not None and single_device else None
 
     # ---- shapes -------------------------------------------------------------
 
@@ -230,13 +235,19 @@ class ModelRunner:
         buckets = self.buckets if buckets is None else buckets
         logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in buckets])
         shapes = self._step_shapes(buckets)
-        lowered = {shape: self._lower(shape) for shape in dict.fromkeys(shapes.values())}
-        executables = {}
+        programs = list(dict.fromkeys(shapes.values()))
+        keys = {shape: self._step_key(shape) for shape in programs} if self.step_cache is not None else {}
+        executables = {shape: self.step_cache.load(key) for shape, key in keys.items()}
+        executables = {shape: executable for shape, executable in executables.items() if executable is not None}
+        lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {pool.submit(lowered[shape].compile): shape for shape in lowered}
+            futures = {pool.submit(StepCache.compile_fresh, lowered[shape]): shape for shape in lowered}
             done = concurrent.futures.as_completed(futures)
-            for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
-                executables[futures[future]] = future.result()
+            for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress or not futures):
+                shape = futures[future]
+                executables[shape], fresh = future.result()
+                if fresh and shape in keys:
+                    self.step_cache.store(keys[shape], executables[shape])
         for bucket, shape in shapes.items():
             self.compiled[bucket] = executables[shape]
         self.warm_up()
@@ -244,6 +255,16 @@ class ModelRunner:
     def _step_shapes(self, buckets: list[Bucket]) -> dict[Bucket, Bucket]:
         # The C++ kernel runs a decode-only step as it runs a mixed one (AttentionPlan.decode_only unused).
         return step_shapes(buckets, decode_runs_as_mixed=self.backend == "cpp")
+
+    def _step_key(self, bucket: Bucket) -> str:
+        """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
+        avals = lambda tree: [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+        options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
+        return StepCache.key((
+            self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
+            self._layouts[bucket], self._out_layouts[bucket], bucket, self.backend, StepCache.kernel_build(self.backend),
+            sorted(options.items()),
+        ))
 
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         return self._step_fn(bucket, self.backend).lower(
