@@ -17,18 +17,19 @@ import statistics
 import sys
 import tempfile
 
-from cbjax.bench.startup import _run
+from cbjax.bench.startup import _run, emit
 
 MODEL = "checkpoints/smollm2-135m-instruct"
 
 
 def child(tree: str, caches: str, kind: str) -> dict:
-    """One fresh process of `tree`: LLM() phases (kind "llm") or generate's first token (kind "generate")."""
+    """One fresh process of `tree`, run in it (`python -m` puts the working folder first on sys.path):
+    LLM() phases (kind "llm") or generate's first token (kind "generate")."""
     env = os.environ | {"CBJAX_CACHE_DIR": caches, "PYTHONPATH": tree}
     for name in ("CBJAX_DISABLE_COMPILE_CACHE", "CBJAX_KERNEL_CACHE", "CBJAX_DISABLE_WEIGHTS_CACHE"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "cbjax.bench.startup", "--child", kind, "--model", os.path.join(tree, MODEL)]
-    stdout, first_byte, total, rss = _run(command + (["--flags="] if kind == "generate" else []), env)
+    command = [sys.executable, "-m", "cbjax.bench.startup", "--child", kind, "--model", MODEL]
+    stdout, first_byte, total, rss = _run(command + (["--flags="] if kind == "generate" else []), env, cwd=tree)
     record = {"process_s": round(total, 2), "peak_rss_mb": round(rss), "load_average": os.getloadavg()[0]}
     if kind == "generate":
         return record | {"first_token_s": round(first_byte, 2)}
@@ -60,10 +61,7 @@ def main() -> None:
                       "generate_peak_rss_mb": median(side, "generate", "peak_rss_mb")} for side in trees}
     result = {"trees": trees, "rounds": args.rounds, "cold": cold, "runs": runs, "medians": medians,
               "new_over_old": {k: round(medians["new"][k] / medians["old"][k], 3) for k in medians["new"]}}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

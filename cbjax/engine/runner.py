@@ -237,10 +237,10 @@ class ModelRunner:
         shapes = self._step_shapes(buckets)
         programs = list(dict.fromkeys(shapes.values()))
         keys = {shape: self._step_key(shape) for shape in programs} if self.step_cache is not None else {}
-        executables = {shape: self.step_cache.load(key) for shape, key in keys.items()}
-        executables = {shape: executable for shape, executable in executables.items() if executable is not None}
-        lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            loaded = dict(zip(keys, pool.map(self.step_cache.load, keys.values()))) if keys else {}
+            executables = {shape: executable for shape, executable in loaded.items() if executable is not None}
+            lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
             futures = {pool.submit(StepCache.compile_fresh, lowered[shape]): shape for shape in lowered}
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress or not futures):
@@ -256,15 +256,19 @@ class ModelRunner:
         # The C++ kernel runs a decode-only step as it runs a mixed one (AttentionPlan.decode_only unused).
         return step_shapes(buckets, decode_runs_as_mixed=self.backend == "cpp")
 
-    def _step_key(self, bucket: Bucket) -> str:
-        """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
+    @functools.cached_property
+    def _step_key_base(self) -> str:
+        """The part of every step's StepCache key that does not depend on the bucket."""
         avals = lambda tree: [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
         options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
         return StepCache.key((
             self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
-            self._layouts[bucket], self._out_layouts[bucket], bucket, self.backend, StepCache.kernel_build(self.backend),
-            sorted(options.items()),
+            self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
         ))
+
+    def _step_key(self, bucket: Bucket) -> str:
+        """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
+        return StepCache.key((self._step_key_base, self._layouts[bucket], self._out_layouts[bucket], bucket))
 
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         return self._step_fn(bucket, self.backend).lower(
