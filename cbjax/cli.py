@@ -27,20 +27,26 @@ def cmd_import_gguf(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from cbjax.engine.buckets import one_request_buckets
     from cbjax.engine.config import EngineConfig
     from cbjax.engine.engine import LLMEngine
     from cbjax.llm import chat_prompt
     from cbjax.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    # One prompt of a known length: compile (or load from the cache) and warm up only the steps it runs.
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)), precompile=False)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.sample_seed
     )
     if args.chat is not None:
         prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.chat}])
     else:
-        prompt = args.prompt
+        prompt = {"prompt": args.prompt, "prompt_token_ids": engine.tokenizer.encode(args.prompt)}
     engine.add_request("cli", prompt, params)
+    runner = engine.runner
+    runner.precompile(buckets=one_request_buckets(
+        runner.buckets, len(prompt["prompt_token_ids"]), engine.config.max_num_batched_tokens
+    ))
     printed = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -89,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--sample-seed", type=int, default=None)
-    # One prompt: a step needs at most 2 rows and 128-token prompt chunks; 5 step buckets instead of 10
-    # start it sooner (compile or cache load, and warm-up).
+    # One prompt: a step needs at most 2 rows and 128-token prompt chunks (cmd_generate compiles only the
+    # buckets its prompt runs in: 2 for a short prompt).
     p.set_defaults(func=cmd_generate, max_num_seqs=1, max_num_batched_tokens=128)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")

@@ -1,4 +1,4 @@
-"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU; no compilation cache."""
+"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU; no compilation or weights cache."""
 
 import os
 
@@ -8,6 +8,8 @@ import pytest
 # The tests build many throwaway tiny models: keep their steps out of the user's compilation cache
 # (tests/test_compile_cache.py turns it on in its own processes).
 os.environ.setdefault("CBJAX_DISABLE_COMPILE_CACHE", "1")
+# Nor their weights in the user's weights cache (tests/test_weights_cache.py turns it on in a temp folder).
+os.environ.setdefault("CBJAX_DISABLE_WEIGHTS_CACHE", "1")
 
 
 def has_gpu() -> bool:

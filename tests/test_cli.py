@@ -3,6 +3,8 @@ from its config alone), and streaming generate."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -35,9 +37,14 @@ def test_lower_from_a_config_alone_and_refuses_both_or_neither(checkpoint, capsy
             main(["lower", *flags, *ENGINE_FLAGS])
 
 
-def test_generate_streams_what_the_api_returns(checkpoint, capsys):
-    main(["generate", "--model", checkpoint, *ENGINE_FLAGS, "--prompt", "Once upon a time", "--max-tokens", "12"])
+def test_generate_streams_what_the_api_returns(checkpoint, capsys, caplog):
+    """generate compiles only the steps its prompt runs in; a missed one would be compiled on demand, with a warning."""
+    prompt = "Once upon a time there was a tiny model that spoke in riddles."
+    with caplog.at_level(logging.WARNING, logger="cbjax.engine.runner"):
+        main(["generate", "--model", checkpoint, *ENGINE_FLAGS, "--prompt", prompt, "--max-tokens", "12"])
+    assert not caplog.records
     streamed = capsys.readouterr().out
     llm = LLM(checkpoint, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=16, dtype="float32", num_kv_blocks=40)
-    (out,) = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert 32 < len(llm.get_tokenizer().encode(prompt)) <= 64 - 12  # two prompt chunks: 32 tokens, then the rest
+    (out,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert streamed == out.outputs[0].text + "\n"

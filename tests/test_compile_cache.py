@@ -21,17 +21,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One engine in a fresh process: its XLA compiles (as JAX's own cache events count them) and its greedy tokens.
 CHILD = """
-import json, sys
+import json, logging, sys
 import jax
+step_programs = []  # every jitted step JAX lowers (it logs each lowering at DEBUG, with the function's name)
+class CountSteps(logging.Handler):
+    def emit(self, record):
+        if record.msg.startswith("Compiling ") and record.args[0] == "jit(step)":
+            step_programs.append(record.args[0])
+pxla_log = logging.getLogger("jax._src.interpreters.pxla")
+pxla_log.setLevel(logging.DEBUG)
+pxla_log.addHandler(CountSteps())
 events = {}
 jax.monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
 from cbjax import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8)
+# 4 buckets: decode 8 and 16 rows, mixed 16 and 32 tokens of 16 rows.
+llm = LLM(sys.argv[1], max_num_seqs=16, max_model_len=64, max_num_batched_tokens=32, block_size=8)
 out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                    use_tqdm=False)
 requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
 print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/compilation_cache/cache_hits", 0),
-                  "tokens": out[0].outputs[0].token_ids}))
+                  "tokens": out[0].outputs[0].token_ids, "backend": llm.get_stats()["attention_backend"],
+                  "step_programs": len(step_programs)}))
 """
 
 
@@ -49,10 +59,13 @@ def test_second_engine_in_a_new_process_compiles_nothing(tmp_path):
     first = run_engine_process(checkpoint, tmp_path / "cache")
     assert first["compiles"] >= 3, "the first process should compile every step bucket into the default cache"
     second = run_engine_process(checkpoint, tmp_path / "cache")
-    assert second["requests"] == first["requests"]
     assert second["compiles"] == 0
     assert second["tokens"] == first["tokens"]
     assert list((tmp_path / "cache" / "xla").iterdir()), "the default cache lives under CBJAX_CACHE_DIR/xla"
+    # The C++ kernel runs decode steps as mixed ones: decode 16 rows and mixed 16 tokens are one program.
+    assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4)
+    # The second process loads the compiled steps whole: it does not even trace them.
+    assert second["step_programs"] == 0
 
 
 def test_cache_is_on_by_default_and_off_by_none_or_the_env_flag(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from cbjax.engine.buckets import MIN_ROWS, Bucket, compute_buckets, pick_bucket
+from cbjax.engine.buckets import MIN_ROWS, Bucket, compute_buckets, one_request_buckets, pick_bucket, step_shapes
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 
 
@@ -25,6 +25,30 @@ def test_buckets_cover_every_step_and_prune_infeasible_pairs():
         for num_reqs in range(1, min(num_tokens, 12) + 1):
             chosen = pick_bucket(odd, "mixed", num_tokens, num_reqs)
             assert chosen.num_tokens >= num_tokens and chosen.num_reqs >= num_reqs
+
+
+def test_decode_and_mixed_buckets_of_one_shape_share_an_executable_where_attention_runs_them_alike():
+    buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
+    shared = step_shapes(buckets, decode_runs_as_mixed=True)
+    # Hand-worked: decode 16/32/64 rows have the shapes of the mixed 16/32/64-token buckets.
+    assert sorted({(b.num_tokens, b.num_reqs) for b in shared.values()}) == [
+        (8, 8), (16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64)
+    ]
+    for n in (16, 32, 64):
+        assert shared[Bucket("mixed", n, n)] == shared[Bucket("decode", n, n)] == Bucket("decode", n, n)
+    assert all(shared[b] == b for b in buckets if b.num_tokens > 64 or b.num_tokens == 8)
+    # Where decode steps have an attention path of their own, every bucket is its own program.
+    assert step_shapes(buckets, decode_runs_as_mixed=False) == {b: b for b in buckets}
+
+
+def test_one_request_needs_the_buckets_of_its_prompt_chunks_and_of_decoding():
+    buckets = compute_buckets(max_num_seqs=1, max_num_batched_tokens=128)  # `cbjax generate`'s engine
+    assert [(b.kind, b.num_tokens) for b in buckets] == [("decode", 2), ("mixed", 16), ("mixed", 32), ("mixed", 64), ("mixed", 128)]
+    # Hand-worked: a 40-token prompt is one chunk (64-token bucket); 300 tokens are 128 + 128 + 44 (64).
+    assert one_request_buckets(buckets, 40, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2)]
+    assert one_request_buckets(buckets, 300, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2), Bucket("mixed", 128, 2)]
+    # A one-token last chunk (129 = 128 + 1) is a decode-only step.
+    assert one_request_buckets(buckets, 129, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 128, 2)]
 
 
 def test_a_lone_request_runs_in_a_two_row_step():

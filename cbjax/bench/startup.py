@@ -89,10 +89,10 @@ def child_generate(model: str, flags: list[str]) -> None:
     print(json.dumps({"xla_compiles": compiles(cache_events)}))
 
 
-def _run(command: list[str], env: dict[str, str]) -> tuple[str, float, float, float]:
-    """Run a process; (stdout, seconds to its first output byte, total seconds, peak RSS MB)."""
+def _run(command: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[str, float, float, float]:
+    """Run a process (in `cwd`); (stdout, seconds to its first output byte, total seconds, peak RSS MB)."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, env=env | {SPAWN_TIME_ENV: repr(time.time())})
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, env=env | {SPAWN_TIME_ENV: repr(time.time())}, cwd=cwd)
     first = process.stdout.read(1)
     first_byte = time.perf_counter() - start
     rest = process.stdout.read()
@@ -146,9 +146,14 @@ def main(argv: list[str] | None = None) -> None:
                     entry |= {"peak_rss_mb": round(rss), "text": "\n".join(text)} | json.loads(counts)
         for entry in result["generate_chat"].values():
             entry["warm_first_token_median_s"] = statistics.median(entry["warm_first_token_s"])
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the JSON result, and write it to `out` if given."""
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=2)
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params
@@ -61,6 +60,8 @@ def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: b
 
 def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path | None = None, dtype: str | None = None) -> Path:
     """Convert hf_dir to an orbax checkpoint in out_dir (default checkpoints/<hf_dir name, lowercased>)."""
+    import orbax.checkpoint as ocp  # not imported by a load from the weights cache (see weights_cache.py)
+
     hf_dir = Path(hf_dir)
     config = ModelConfig.from_dir(hf_dir)
     dtype = resolve_dtype(dtype, config)

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
 from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
+from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
@@ -38,9 +38,14 @@ def load_model(
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
-    if (ckpt_dir / PARAMS_DIR).is_dir():
-        restore_sharding = None if tensor_parallel is None else tensor_parallel.restore_sharding
-        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None, sharding=restore_sharding)
+    if (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
+        params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
+            ckpt_dir / PARAMS_DIR, model_dtype, expected_params(config, jnp.dtype(model_dtype), activation_dtype),
+            lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None),
+        )
+    elif (ckpt_dir / PARAMS_DIR).is_dir():
+        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None,
+                                sharding=tensor_parallel.restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
     if tensor_parallel is None:
@@ -71,6 +76,8 @@ def _restore_orbax(
     sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None,
 ) -> dict[str, np.ndarray | jax.Array]:
     """Every stored tensor by name: numpy on the host, or with `sharding` jax arrays restored into it."""
+    import orbax.checkpoint as ocp  # 0.5 s of imports that a load from the weights cache skips
+
     expected = expected_params(config, jnp.dtype(dtype))
     with ocp.StandardCheckpointer() as checkpointer:
         stored = flatten_params(checkpointer.metadata(params_dir.resolve()).item_metadata.tree)
@@ -89,17 +96,18 @@ def _restore_orbax(
 
 def _fill_model(
     config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
-    place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jnp.asarray(array),
+    place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jax.device_put(array, may_alias=True),
 ) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
-    `place` puts one named tensor on its device(s) (a no-op for one already restored there)."""
+    `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
+    default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy."""
     graphdef, abstract_state = nnx.split(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
     )
     filled = [
         (path, variable.replace(
-            place(param_name(path), params.pop(param_name(path)).astype(jnp.dtype(dtype)))
+            place(param_name(path), params.pop(param_name(path)).astype(jnp.dtype(dtype), copy=False))
             if isinstance(variable, nnx.Param)
             else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
         ))

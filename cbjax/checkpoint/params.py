@@ -6,6 +6,7 @@ orbax checkpoint stores them as the nested dict of those names.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator
 
 import jax
@@ -20,21 +21,44 @@ from cbjax.models.llama import LlamaForCausalLM
 _RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+class _FixedKey:
+    """Stands in for nnx.Rngs where only shapes are wanted: every stream gives the same key.
+
+    Under eval_shape each call of an nnx.Rngs stream sets a traced counter, and flax then asks the
+    tracer for its sharding, whose error message JAX builds by walking the whole trace so far:
+    quadratic in the number of layers: seconds of SmolLM2's load, most of the abstract model's build.
+    """
+
+    def __getattr__(self, stream: str):
+        return lambda: jax.random.key(0)
+
+
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None) -> LlamaForCausalLM:
     """The model with shapes and dtypes only: no memory, no random init."""
-    return nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=nnx.Rngs(0))
-    )
+    return nnx.merge(*abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype)))
+
+
+@functools.lru_cache(maxsize=8)  # a load needs it twice: the parameters to expect, then the model to fill
+def abstract_split(
+    config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """nnx.split of the abstract model (read-only: callers replace its variables, never set them)."""
+    return nnx.split(nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey())
+    ))
 
 
 def param_name(path: tuple) -> str:
     return ".".join(str(key) for key in path)
 
 
-def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every parameter the model has, by name, with the shape and dtype it must be loaded with."""
-    state = nnx.state(abstract_model(config, dtype), nnx.Param)
-    return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+def expected_params(
+    config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter the model has, by name, with the shape and dtype it must be loaded with
+    (activation_dtype changes none of them; pass the one the model is built with to share its build)."""
+    _, state = abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
+    return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
 
 
 def hf_to_param(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray] | None:

@@ -55,6 +55,21 @@ def compute_buckets(
     return decode + mixed
 
 
+def step_shapes(buckets: list[Bucket], decode_runs_as_mixed: bool) -> dict[Bucket, Bucket]:
+    """Each bucket's executable, named by the first bucket (in list order) that compiles it.
+
+    With an attention that runs a decode-only step exactly as a mixed one (the C++ CPU kernel),
+    a decode bucket and a mixed bucket of the same (tokens, requests) lower to the same program:
+    it is compiled, loaded from the cache and warmed up once (the default 64-sequence, 512-token
+    set has 3 such pairs among its 10 buckets).
+    """
+    first: dict[object, Bucket] = {}
+    return {
+        bucket: first.setdefault((bucket.num_tokens, bucket.num_reqs) if decode_runs_as_mixed else bucket, bucket)
+        for bucket in buckets
+    }
+
+
 def pick_bucket(buckets: list[Bucket], kind: str, num_tokens: int, num_reqs: int) -> Bucket:
     """The smallest bucket of `kind` that holds the step."""
     fitting = [b for b in buckets if b.kind == kind and b.num_tokens >= num_tokens and b.num_reqs >= num_reqs]
@@ -64,3 +79,11 @@ def pick_bucket(buckets: list[Bucket], kind: str, num_tokens: int, num_reqs: int
             f"largest is {max((b for b in buckets if b.kind == kind), default=None)}"
         )
     return min(fitting, key=lambda b: (b.num_tokens, b.num_reqs))
+
+
+def one_request_buckets(buckets: list[Bucket], num_prompt_tokens: int, max_num_batched_tokens: int) -> list[Bucket]:
+    """The buckets one request alone runs in: its prompt in chunks of at most max_num_batched_tokens
+    (the scheduler's chunked prefill), then one-token decodes."""
+    chunks = {min(max_num_batched_tokens, num_prompt_tokens - start) for start in range(0, num_prompt_tokens, max_num_batched_tokens)}
+    needed = {pick_bucket(buckets, "decode" if n == 1 else "mixed", n, 1) for n in chunks | {1}}
+    return sorted(needed, key=buckets.index)

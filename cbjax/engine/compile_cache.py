@@ -11,17 +11,25 @@ kernels_cpu/attention.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import pathlib
+import pickle
+import re
+import tempfile
+import threading
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jaxlib
+from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
 from cbjax.paths import cache_dir
-from kernels_cpu.build import cpu_features
+from kernels_cpu.build import compiler, cpu_features, library_path
 
 logger = logging.getLogger(__name__)
 
@@ -60,3 +68,93 @@ def enable_compile_cache(setting: str | None, device: jax.Device) -> pathlib.Pat
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     logger.info("persistent compilation cache: %s", folder)
     return folder
+
+
+_thread_state = threading.local()  # set by JAX's cache-hit event, in the thread that compiles
+
+
+def _note_cache_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _thread_state.cache_hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
+# The packages whose code a step is traced from: a step's own cache key covers all their sources.
+TRACED_PACKAGES = ("cbjax", "kernels_cpu", "kernels_pallas")
+SOURCE_SUFFIXES = (".py", ".cc", ".h")
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of every source file a step's program can come from (cbjax and both kernel packages)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    key = hashlib.sha256()
+    for package in TRACED_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+                key.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return key.hexdigest()
+
+
+class StepCache:
+    """Compiled steps stored whole, keyed without tracing them, so a warm start skips tracing too.
+
+    JAX's persistent cache keys an executable by its HLO, so every start traces and lowers each
+    step first, which took longer than loading it for SmolLM2 (BENCHMARKS.md section 13). This cache keys a step by what
+    its program is made from: the sources of the packages it is traced from, the jax version,
+    device and CPU (the folder, see compile_cache_folder), XLA flags and jax's settings, the
+    model's structure and the shapes, dtypes and shardings of every argument. A key it does not
+    have falls through to tracing and JAX's cache, then stores the executable.
+    """
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = folder / "steps"
+
+    @staticmethod
+    def key(parts: Iterable[Any]) -> str:
+        digest = hashlib.sha256()
+        settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k and "log" not in k)
+        for part in (code_fingerprint(), os.environ.get("XLA_FLAGS", ""), repr(settings), *parts):
+            # Object addresses in reprs (functions held by the model's structure) differ between processes.
+            digest.update(re.sub(r" at 0x[0-9a-f]+", "", str(part)).encode() + b"\0")
+        return digest.hexdigest()[:32]
+
+    @staticmethod
+    def kernel_build(backend: str) -> str:
+        """The C++ kernel build a step calls (its FFI targets are named after it); "" for other backends."""
+        return library_path(compiler()).stem if backend == "cpp" else ""
+
+    @staticmethod
+    def compile_fresh(lowered: jax.stages.Lowered) -> tuple[Any, bool]:
+        """Compile; whether XLA really compiled it (not JAX's persistent cache).
+
+        Only fresh executables are stored: one that JAX's cache handed back serializes without
+        some of its fused functions' code (on jaxlib 0.10.2 its copy failed to run: "Function
+        slice_bitcast-convert_fusion.1 not found").
+        """
+        _thread_state.cache_hit = False
+        compiled = lowered.compile()
+        return compiled, not _thread_state.cache_hit
+
+    def load(self, key: str) -> Any | None:
+        """The stored executable, or None (missing, or unreadable by this jaxlib: it is compiled again)."""
+        path = self.folder / f"{key}.step"
+        if not path.is_file():
+            return None
+        try:
+            return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never a failed start
+            logger.warning("ignoring the cached step %s (%s: %s); compiling it again", path, type(error).__name__, error)
+            return None
+
+    def store(self, key: str, compiled: Any) -> None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle, scratch = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-")
+            with os.fdopen(handle, "wb") as file:
+                file.write(blob)
+            os.replace(scratch, self.folder / f"{key}.step")  # readers see a whole entry or none
+        except (OSError, ValueError, NotImplementedError) as error:
+            logger.warning("could not store a compiled step in %s (%s); the next start traces it again", self.folder, error)

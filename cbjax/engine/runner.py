@@ -26,7 +26,8 @@ from flax import nnx
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
-from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket
+from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
+from cbjax.engine.compile_cache import StepCache, compile_cache_folder
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
@@ -162,6 +163,10 @@ class ModelRunner:
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
         self.activation_dtype = model.activation_dtype
         self.matmul_precision = matmul_precision(model.activation_dtype, jax.devices()[0].platform)
+        # Whole compiled steps, keyed without tracing (one device only: sharded steps go through JAX's cache alone).
+        folder = compile_cache_folder(config.compilation_cache_dir, jax.devices()[0])
+        single_device = tensor_parallel is None and getattr(config, "num_processes", 1) == 1
+        self.step_cache = StepCache(folder) if folder is not None and single_device else None
 
     def _device_state(self, state: nnx.State, init_pool: Any) -> tuple[list[jax.Array], Any, Any, Any]:
         """The weights as a flat list (and their treedef), the KV pool and the penalty state, on the devices."""
@@ -270,22 +275,52 @@ class ModelRunner:
         )
         return result
 
-    def precompile(self, progress: bool = True) -> None:
-        """Compile every bucket now, so that serving never compiles.
+    def precompile(self, progress: bool = True, buckets: list[Bucket] | None = None) -> None:
+        """Compile every bucket now (or only `buckets`, for a caller that knows its steps), so that
+        serving never compiles.
 
         XLA compiles outside the GIL, so buckets compile on all cores at once. They are traced
         one after another first: tracing in parallel threads made the HLO differ from run to run
         (a constant shared by the layers was sometimes built twice), so the persistent
-        compilation cache missed.
+        compilation cache missed. Buckets that lower to the same program share one executable.
         """
-        logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in self.buckets])
-        lowered = {bucket: self._lower(bucket) for bucket in self.buckets}
+        buckets = self.buckets if buckets is None else buckets
+        logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in buckets])
+        shapes = self._step_shapes(buckets)
+        programs = list(dict.fromkeys(shapes.values()))
+        keys = {shape: self._step_key(shape) for shape in programs} if self.step_cache is not None else {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {pool.submit(lowered[bucket].compile): bucket for bucket in self.buckets}
+            loaded = dict(zip(keys, pool.map(self.step_cache.load, keys.values()))) if keys else {}
+            executables = {shape: executable for shape, executable in loaded.items() if executable is not None}
+            lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
+            futures = {pool.submit(StepCache.compile_fresh, lowered[shape]): shape for shape in lowered}
             done = concurrent.futures.as_completed(futures)
-            for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress):
-                self.compiled[futures[future]] = future.result()
+            for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress or not futures):
+                shape = futures[future]
+                executables[shape], fresh = future.result()
+                if fresh and shape in keys:
+                    self.step_cache.store(keys[shape], executables[shape])
+        for bucket, shape in shapes.items():
+            self.compiled[bucket] = executables[shape]
         self.warm_up()
+
+    def _step_shapes(self, buckets: list[Bucket]) -> dict[Bucket, Bucket]:
+        # The C++ kernel runs a decode-only step as it runs a mixed one (AttentionPlan.decode_only unused).
+        return step_shapes(buckets, decode_runs_as_mixed=self.backend == "cpp")
+
+    @functools.cached_property
+    def _step_key_base(self) -> str:
+        """The part of every step's StepCache key that does not depend on the bucket."""
+        avals = lambda tree: [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+        options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
+        return StepCache.key((
+            self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
+            avals(self.last_sampled), self.matmul_precision, self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
+        ))
+
+    def _step_key(self, bucket: Bucket) -> str:
+        """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
+        return StepCache.key((self._step_key_base, self._layouts[bucket], self._out_layouts[bucket], bucket))
 
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         with jax.default_matmul_precision(self.matmul_precision):  # read while tracing: every dot of the step
@@ -297,6 +332,9 @@ class ModelRunner:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
         compiled = self.compiled.get(bucket)
         if compiled is None:
+            shapes = self._step_shapes(self.buckets)
+            compiled = next((self.compiled[b] for b in self.compiled if shapes[b] == shapes[bucket]), None)
+        if compiled is None:
             if not self._warned_on_demand:
                 self._warned_on_demand = True
                 logger.warning(
@@ -306,7 +344,8 @@ class ModelRunner:
                     len(self.buckets),
                 )
             logger.info("compiling step bucket %s on demand", bucket)
-            compiled = self.compiled[bucket] = self._lower(bucket).compile()
+            compiled = self._lower(bucket).compile()
+        self.compiled[bucket] = compiled
         return compiled
 
     def warm_up(self) -> None:
@@ -316,11 +355,16 @@ class ModelRunner:
         belong to start-up, not to the first requests that happen to need that bucket. XLA:CPU
         also sets up the library calls inside the attention's KV loop on their first run, so the
         warm-up request attends to one position (all-padding inputs would skip the loop's body).
+        An executable that serves several buckets runs once.
         """
         # In bucket order, not compile-completion order: every process of a multi-host engine must
         # run the same steps (collectives) in the same order.
+        warmed = set()
         for bucket in sorted(self.compiled, key=self._bucket_index.__getitem__):
             compiled = self.compiled[bucket]
+            if id(compiled) in warmed:
+                continue
+            warmed.add(id(compiled))
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
             inputs.attention.query_start_loc[1:] = 1
