@@ -193,17 +193,33 @@ inline v16 exp_nonpos(v16 x) {
   return exp_reduced(x, n) * (v16)bits;
 }
 
+// Keys per register block of a wide chunk: that many score accumulators share each query load,
+// and a chunk's keys are padded with zero rows to a multiple of it (masked like causal keys).
+constexpr int kKeyBlock = 8;
+static_assert(kChunk % kKeyBlock == 0, "a padded chunk must fit the key scratch");
+// Output dims per register block of the P.V product: their accumulators stay in registers over
+// all of a chunk's keys instead of being loaded and stored once per key.
+constexpr int kDimBlock = 8;
+
 // One chunk of keys for a wide item. qt: [dim][padded] scaled queries; st: [kChunk][padded]
-// scores; limit: [padded] first key position each row may NOT see (padding rows: 0).
+// scores; limit: [padded] first key position each row may NOT see (padding rows: 0). nk is a
+// multiple of kKeyBlock; keys past the real ones are zero rows beyond every row's limit.
 inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt, const float* kc, const float* vc,
                        const float* limit, float* st, float* m, float* l, float* acc_t) {
-  for (int j = 0; j < nk; ++j) {
-    const float* kj = kc + j * dim;
-    const v16 pos = splat((float)(c0 + j));
-    for (int r0 = 0; r0 < padded; r0 += kLanes) {
-      v16 sum = splat(0.0f);
-      for (int d = 0; d < dim; ++d) sum += *(const v16*)(qt + d * padded + r0) * kj[d];
-      *(v16*)(st + j * padded + r0) = pos < *(const v16*)(limit + r0) ? sum : splat(-INFINITY);
+  // Scores, kKeyBlock keys at a time: independent accumulators hide the FMA latency, and each
+  // query vector loaded serves all of them.
+  for (int r0 = 0; r0 < padded; r0 += kLanes) {
+    const v16 lim = *(const v16*)(limit + r0);
+    for (int j0 = 0; j0 < nk; j0 += kKeyBlock) {
+      v16 sum[kKeyBlock];
+      for (int b = 0; b < kKeyBlock; ++b) sum[b] = splat(0.0f);
+      const float* kb = kc + j0 * dim;
+      for (int d = 0; d < dim; ++d) {
+        const v16 qd = *(const v16*)(qt + d * padded + r0);
+        for (int b = 0; b < kKeyBlock; ++b) sum[b] += qd * kb[b * dim + d];
+      }
+      for (int b = 0; b < kKeyBlock; ++b)
+        *(v16*)(st + (j0 + b) * padded + r0) = splat((float)(c0 + j0 + b)) < lim ? sum[b] : splat(-INFINITY);
     }
   }
   for (int r0 = 0; r0 < padded; r0 += kLanes) {
@@ -225,14 +241,23 @@ inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt,
     }
     *(v16*)(l + r0) = alpha * *(const v16*)(l + r0) + sum;
     *(v16*)(m + r0) = m_new;
-    for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) *= alpha;
-  }
-  // acc_t[d][r] += p[j][r] * v[j][d]: rows in lanes again.
-  for (int j = 0; j < nk; ++j) {
-    const float* vj = vc + j * dim;
-    for (int r0 = 0; r0 < padded; r0 += kLanes) {
-      const v16 p = *(const v16*)(st + j * padded + r0);
-      for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) += p * vj[d];
+    // acc_t[d][r] = alpha[r] * acc_t[d][r] + sum_j p[j][r] * v[j][d]: rows in lanes, kDimBlock
+    // dims' accumulators held in registers across the chunk's keys.
+    int d0 = 0;
+    for (; d0 + kDimBlock <= dim; d0 += kDimBlock) {
+      v16 acc[kDimBlock];
+      for (int b = 0; b < kDimBlock; ++b) acc[b] = alpha * *(const v16*)(acc_t + (d0 + b) * padded + r0);
+      for (int j = 0; j < nk; ++j) {
+        const v16 p = *(const v16*)(st + j * padded + r0);
+        const float* vj = vc + j * dim + d0;
+        for (int b = 0; b < kDimBlock; ++b) acc[b] += p * vj[b];
+      }
+      for (int b = 0; b < kDimBlock; ++b) *(v16*)(acc_t + (d0 + b) * padded + r0) = acc[b];
+    }
+    for (; d0 < dim; ++d0) {
+      v16 acc = alpha * *(const v16*)(acc_t + d0 * padded + r0);
+      for (int j = 0; j < nk; ++j) acc += *(const v16*)(st + j * padded + r0) * vc[j * dim + d0];
+      *(v16*)(acc_t + d0 * padded + r0) = acc;
     }
   }
 }
@@ -298,8 +323,11 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
     }
     if (wide) {
-      wide_chunk(padded, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
-                 acc.data());
+      const int nk_padded = (nk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // <= kChunk
+      std::fill(kc.begin() + nk * dim, kc.begin() + nk_padded * dim, 0.0f);
+      std::fill(vc.begin() + nk * dim, vc.begin() + nk_padded * dim, 0.0f);
+      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(),
+                 l.data(), acc.data());
       continue;
     }
     for (int r = 0; r < rows; ++r) {
