@@ -1,10 +1,11 @@
-"""Two builds of the C++ attention kernel side by side in one process: a git revision's source against the working tree's.
+"""Two builds of the C++ attention kernel side by side in one process: a git revision's source against the working tree's
+(or --source's).
 
     PYTHONPATH=. python benchmarks/cpu_kernel_ab.py --base HEAD --result-json bench_results/cpu_kernel_ab.json
 
 Both sources are compiled with kernels_cpu/build.py's flags into a temporary folder and registered
 under their own FFI names; each case (one layer of SmolLM2's attention: 9 query heads, 3 KV heads,
-head_dim 64, block 16, float16 pool, every request on its own pages) runs A and B alternately for
+head_dim 64, block 16, float16 pool, every request on its own pages, scattered over the pool) runs A and B alternately for
 --rounds rounds of --repeats calls. Reported per case: medians of wall time and of this process's
 CPU time (both threads; stable when other jobs share the cores, where wall time is not), their
 B/A ratios, and the largest difference between the two outputs.
@@ -58,10 +59,11 @@ def case_inputs(requests: list[tuple[int, int]]):
     per_req = -(-max(s for _, s in requests) // BLOCK)
     block_tables = np.zeros((len(requests), per_req), np.int32)
     query_start = np.zeros(len(requests) + 1, np.int32)
-    for r, (q_len, seq_len) in enumerate(requests):
-        block_tables[r, : -(-seq_len // BLOCK)] = 1 + r * per_req + np.arange(-(-seq_len // BLOCK))
-        query_start[r + 1] = query_start[r] + q_len
     rng = np.random.default_rng(0)
+    pages = 1 + rng.permutation(len(requests) * per_req)  # scattered over the pool, as a serving engine's are
+    for r, (q_len, seq_len) in enumerate(requests):
+        block_tables[r, : -(-seq_len // BLOCK)] = pages[r * per_req : r * per_req + -(-seq_len // BLOCK)]
+        query_start[r + 1] = query_start[r] + q_len
     pool_shape = (KV_HEADS, len(requests) * per_req + 1, BLOCK, DIM)
     k_pages = jnp.asarray(rng.standard_normal(pool_shape), jnp.float16)
     v_pages = jnp.asarray(rng.standard_normal(pool_shape), jnp.float16)
@@ -83,7 +85,8 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--base", default="HEAD", help="git revision of variant A's source (B: the working tree)")
+    parser.add_argument("--base", default="HEAD", help="git revision of variant A's source")
+    parser.add_argument("--source", default=str(SOURCE), help="variant B's source (default: the working tree's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
@@ -95,7 +98,7 @@ def main() -> None:
         base_source.write_text(subprocess.run(
             ["git", "show", f"{args.base}:kernels_cpu/paged_attention.cc"], capture_output=True, text=True, check=True
         ).stdout)
-        targets = {"A": register(build(base_source, tmp / "a.so"), "A"), "B": register(build(SOURCE, tmp / "b.so"), "B")}
+        targets = {"A": register(build(base_source, tmp / "a.so"), "A"), "B": register(build(pathlib.Path(args.source), tmp / "b.so"), "B")}
     results = {}
     for case in args.cases:
         q, k_pages, v_pages, query_start, seq_lens, block_tables = case_inputs(CASES[case])
