@@ -32,12 +32,14 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 # name -> [(new tokens, context length after them)] per request
 CASES = {
+    "decode 16 x 100": [(1, 100)] * 16,
     "decode 16 x 600": [(1, 600)] * 16,
     "decode 64 x 500": [(1, 500)] * 64,
     "mixed: 63 decodes x 400 + a 449-token chunk over 749": [(1, 400)] * 63 + [(449, 749)],
     "mixed: 15 decodes x 600 + a 241-token chunk over 777": [(1, 600)] * 15 + [(241, 777)],
     "prefill: a 32-token question over a 544 prefix": [(32, 544)],
     "prefill: one 512-token prompt": [(512, 512)],
+    "mixed: 15 decodes x 100 + a 17-token chunk": [(1, 100)] * 15 + [(17, 17)],
 }
 
 
