@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.cpu_kernel_ab import timed
 
 LAYERS, HIDDEN, Q, KV, INNER = 30, 576, 576, 192, 1536
 
@@ -45,17 +46,6 @@ def fused_layers(x, layers):
     return x
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    jax.block_until_ready(fn())
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        jax.block_until_ready(fn())
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return float(np.median(walls)) * 1e3, float(np.median(cpus)) * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 512])
@@ -77,6 +67,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             for name in (("split", "fused") if round_index % 2 == 0 else ("fused", "split")):
                 fn, layers = variants[name]
+                jax.block_until_ready(fn(x, layers))  # compiled and warm before timing
                 times[name].append(timed(lambda: fn(x, layers), args.repeats))
         wall = {n: float(np.median([t[0] for t in ts])) for n, ts in times.items()}
         cpu = {n: float(np.median([t[1] for t in ts])) for n, ts in times.items()}
