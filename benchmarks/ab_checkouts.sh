@@ -4,12 +4,14 @@
 # first on PYTHONPATH, the compilation cache off (each compiles its own steps).
 #   bash benchmarks/ab_checkouts.sh OLD_DIR NEW_DIR [ROUNDS] [-- extra `cbjax bench throughput` args for NEW]
 # Example (long prompts): OLD_DIR a `git worktree add --detach` of an older commit, NEW_DIR this repo.
+# AB_ARGS replaces the workload below for both sides; VENV picks another virtualenv.
 set -euo pipefail
 old=$(realpath "$1"); new=$(realpath "$2"); rounds=${3:-2}
 shift $(( $# < 3 ? $# : 3 )); [[ ${1:-} == -- ]] && shift
-venv=$(realpath "$(dirname "$0")/../.venv")
+venv=$(realpath "${VENV:-$(dirname "$0")/../.venv}")
 args=(--model checkpoints/smollm2-135m-instruct --num-prompts 32 --input-len 512 --output-len 64 --range-ratio 0.5
       --max-num-seqs 16 --max-model-len 1024 --max-num-batched-tokens 256 --kv-cache-memory-bytes 268435456 --repeats 1)
+[[ -n ${AB_ARGS:-} ]] && read -ra args <<< "$AB_ARGS"
 mkdir -p bench_results
 for round in $(seq "$rounds"); do
   for side in old new; do

@@ -193,17 +193,33 @@ inline v16 exp_nonpos(v16 x) {
   return exp_reduced(x, n) * (v16)bits;
 }
 
+// Keys per register block of a wide chunk: that many score accumulators share each query load,
+// and a chunk's keys are padded with zero rows to a multiple of it (masked like causal keys).
+constexpr int kKeyBlock = 8;
+static_assert(kChunk % kKeyBlock == 0, "a padded chunk must fit the key scratch");
+// Output dims per register block of the P.V product: their accumulators stay in registers over
+// all of a chunk's keys instead of being loaded and stored once per key.
+constexpr int kDimBlock = 8;
+
 // One chunk of keys for a wide item. qt: [dim][padded] scaled queries; st: [kChunk][padded]
-// scores; limit: [padded] first key position each row may NOT see (padding rows: 0).
+// scores; limit: [padded] first key position each row may NOT see (padding rows: 0). nk is a
+// multiple of kKeyBlock; keys past the real ones are zero rows beyond every row's limit.
 inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt, const float* kc, const float* vc,
                        const float* limit, float* st, float* m, float* l, float* acc_t) {
-  for (int j = 0; j < nk; ++j) {
-    const float* kj = kc + j * dim;
-    const v16 pos = splat((float)(c0 + j));
-    for (int r0 = 0; r0 < padded; r0 += kLanes) {
-      v16 sum = splat(0.0f);
-      for (int d = 0; d < dim; ++d) sum += *(const v16*)(qt + d * padded + r0) * kj[d];
-      *(v16*)(st + j * padded + r0) = pos < *(const v16*)(limit + r0) ? sum : splat(-INFINITY);
+  // Scores, kKeyBlock keys at a time: independent accumulators hide the FMA latency, and each
+  // query vector loaded serves all of them.
+  for (int r0 = 0; r0 < padded; r0 += kLanes) {
+    const v16 lim = *(const v16*)(limit + r0);
+    for (int j0 = 0; j0 < nk; j0 += kKeyBlock) {
+      v16 sum[kKeyBlock];
+      for (int b = 0; b < kKeyBlock; ++b) sum[b] = splat(0.0f);
+      const float* kb = kc + j0 * dim;
+      for (int d = 0; d < dim; ++d) {
+        const v16 qd = *(const v16*)(qt + d * padded + r0);
+        for (int b = 0; b < kKeyBlock; ++b) sum[b] += qd * kb[b * dim + d];
+      }
+      for (int b = 0; b < kKeyBlock; ++b)
+        *(v16*)(st + (j0 + b) * padded + r0) = splat((float)(c0 + j0 + b)) < lim ? sum[b] : splat(-INFINITY);
     }
   }
   for (int r0 = 0; r0 < padded; r0 += kLanes) {
@@ -225,14 +241,147 @@ inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt,
     }
     *(v16*)(l + r0) = alpha * *(const v16*)(l + r0) + sum;
     *(v16*)(m + r0) = m_new;
-    for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) *= alpha;
+    // acc_t[d][r] = alpha[r] * acc_t[d][r] + sum_j p[j][r] * v[j][d]: rows in lanes, kDimBlock
+    // dims' accumulators held in registers across the chunk's keys.
+    int d0 = 0;
+    for (; d0 + kDimBlock <= dim; d0 += kDimBlock) {
+      v16 acc[kDimBlock];
+      for (int b = 0; b < kDimBlock; ++b) acc[b] = alpha * *(const v16*)(acc_t + (d0 + b) * padded + r0);
+      for (int j = 0; j < nk; ++j) {
+        const v16 p = *(const v16*)(st + j * padded + r0);
+        const float* vj = vc + j * dim + d0;
+        for (int b = 0; b < kDimBlock; ++b) acc[b] += p * vj[b];
+      }
+      for (int b = 0; b < kDimBlock; ++b) *(v16*)(acc_t + (d0 + b) * padded + r0) = acc[b];
+    }
+    for (; d0 < dim; ++d0) {
+      v16 acc = alpha * *(const v16*)(acc_t + d0 * padded + r0);
+      for (int j = 0; j < nk; ++j) acc += *(const v16*)(st + j * padded + r0) * vc[j * dim + d0];
+      *(v16*)(acc_t + d0 * padded + r0) = acc;
+    }
   }
-  // acc_t[d][r] += p[j][r] * v[j][d]: rows in lanes again.
-  for (int j = 0; j < nk; ++j) {
-    const float* vj = vc + j * dim;
-    for (int r0 = 0; r0 < padded; r0 += kLanes) {
-      const v16 p = *(const v16*)(st + j * padded + r0);
-      for (int d = 0; d < dim; ++d) *(v16*)(acc_t + d * padded + r0) += p * vj[d];
+}
+
+// ---- tiles of few rows (decodes): head dims in vector lanes --------------------------------
+// A row's score against a key is a dot product over dim: its partial sums are one vector per
+// key, and 16 keys' vectors are summed together by a shuffle tree into one vector of 16 scores
+// (no horizontal sum per key); the softmax then runs over 16 keys per vector, and P.V keeps
+// the row's dim / 16 accumulators in registers. For head_dim 64 and 128; others take
+// narrow_chunk_scalar.
+
+#if defined(__clang__)
+#define CBJAX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define CBJAX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i16v{__VA_ARGS__})
+#endif
+
+// Lane b of the result is the sum of x[b]'s 16 lanes (x is overwritten).
+inline v16 sum_lanes_of_16(v16* x) {
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s partial sums, 8-15: x[2i+1]'s
+    x[i] = CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // 4 lanes each of x[4i..4i+3]
+    x[i] = CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // 2 lanes each of x[8i..8i+7]
+    x[i] = CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           CBJAX_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return CBJAX_SHUFFLE(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         CBJAX_SHUFFLE(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float max_of_lanes(v16 x) {
+  float best = x[0];
+  for (int i = 1; i < kLanes; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+inline float sum_of_lanes(v16 x) {
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += x[i];
+  return sum;
+}
+
+// One chunk of keys for a narrow item, NV = dim / 16. qs, acc: [rows][dim]; sc: [rows][kChunk];
+// kc, vc hold kChunk rows of which the first nk are this chunk's keys (the rest stale but finite).
+template <int NV>
+void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float* kc, const float* vc,
+                      const float* limit, float* sc, float* m, float* l, float* acc) {
+  constexpr int dim = NV * kLanes;
+  const v16 lane = v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int r = 0; r < rows; ++r) {
+    // Keys past this row's own position are causal-masked: it sees nk_r of the chunk's keys.
+    const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
+    if (nk_r == 0) continue;
+    v16 q[NV];
+    for (int i = 0; i < NV; ++i) q[i] = *(const v16*)(qs + r * dim + i * kLanes);
+    float* sr = sc + r * kChunk;
+    v16 vmax = splat(-INFINITY);
+    for (int j0 = 0; j0 < nk_r; j0 += kLanes) {
+      v16 part[kLanes];
+      for (int b = 0; b < kLanes; ++b) {
+        const float* kj = kc + (j0 + b) * dim;
+        v16 dot = q[0] * *(const v16*)kj;
+        for (int i = 1; i < NV; ++i) dot += q[i] * *(const v16*)(kj + i * kLanes);
+        part[b] = dot;
+      }
+      const v16 scores = splat((float)j0) + lane < splat((float)nk_r) ? sum_lanes_of_16(part) : splat(-INFINITY);
+      *(v16*)(sr + j0) = scores;
+      vmax = scores > vmax ? scores : vmax;
+    }
+    const float m_new = std::max(m[r], max_of_lanes(vmax));
+    const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
+    v16 vsum = splat(0.0f);
+    for (int j0 = 0; j0 < nk_r; j0 += kLanes) {
+      v16* s = (v16*)(sr + j0);
+      const v16 p = *s == splat(-INFINITY) ? splat(0.0f) : exp_nonpos(*s - splat(m_new));
+      *s = p;
+      vsum += p;
+    }
+    l[r] = alpha * l[r] + sum_of_lanes(vsum);
+    m[r] = m_new;
+    v16 a[NV];
+    for (int i = 0; i < NV; ++i) a[i] = *(const v16*)(acc + r * dim + i * kLanes) * alpha;
+    for (int j = 0; j < nk_r; ++j) {
+      const float p = sr[j];
+      const float* vj = vc + j * dim;
+      for (int i = 0; i < NV; ++i) a[i] += p * *(const v16*)(vj + i * kLanes);
+    }
+    for (int i = 0; i < NV; ++i) *(v16*)(acc + r * dim + i * kLanes) = a[i];
+  }
+}
+
+// The same for any dim, one row and one key at a time.
+inline void narrow_chunk_scalar(int rows, int dim, int nk, int64_t c0, const float* qs, const float* kc,
+                                const float* vc, const float* limit, float* sc, float* m, float* l, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
+    if (nk_r == 0) continue;
+    const float* qr = qs + r * dim;
+    float* sr = sc + r * kChunk;
+    float chunk_max = -INFINITY;
+    for (int j = 0; j < nk_r; ++j) {
+      const float* kj = kc + j * dim;
+      float dot = 0.0f;
+      for (int d = 0; d < dim; ++d) dot += qr[d] * kj[d];
+      sr[j] = dot;
+      chunk_max = std::max(chunk_max, dot);
+    }
+    const float m_new = std::max(m[r], chunk_max);
+    const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < nk_r; ++j) {
+      sr[j] = exp_nonpos(sr[j] - m_new);
+      sum += sr[j];
+    }
+    l[r] = alpha * l[r] + sum;
+    m[r] = m_new;
+    float* ar = acc + r * dim;
+    for (int d = 0; d < dim; ++d) ar[d] *= alpha;
+    for (int j = 0; j < nk_r; ++j) {
+      const float p = sr[j];
+      const float* vj = vc + j * dim;
+      for (int d = 0; d < dim; ++d) ar[d] += p * vj[d];
     }
   }
 }
@@ -298,40 +447,22 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
     }
     if (wide) {
-      wide_chunk(padded, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
-                 acc.data());
+      const int nk_padded = (nk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // <= kChunk
+      std::fill(kc.begin() + nk * dim, kc.begin() + nk_padded * dim, 0.0f);
+      std::fill(vc.begin() + nk * dim, vc.begin() + nk_padded * dim, 0.0f);
+      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(),
+                 l.data(), acc.data());
       continue;
     }
-    for (int r = 0; r < rows; ++r) {
-      // Keys past this row's own position are causal-masked: it sees nk_r of the chunk's keys.
-      const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
-      if (nk_r == 0) continue;
-      const float* qr = &qs[r * dim];
-      float* sr = &sc[r * kChunk];
-      float chunk_max = -INFINITY;
-      for (int j = 0; j < nk_r; ++j) {
-        const float* kj = &kc[j * dim];
-        float dot = 0.0f;
-        for (int d = 0; d < dim; ++d) dot += qr[d] * kj[d];
-        sr[j] = dot;
-        chunk_max = std::max(chunk_max, dot);
-      }
-      const float m_new = std::max(m[r], chunk_max);
-      const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
-      float sum = 0.0f;
-      for (int j = 0; j < nk_r; ++j) {
-        sr[j] = exp_nonpos(sr[j] - m_new);
-        sum += sr[j];
-      }
-      l[r] = alpha * l[r] + sum;
-      m[r] = m_new;
-      float* ar = &acc[r * dim];
-      for (int d = 0; d < dim; ++d) ar[d] *= alpha;
-      for (int j = 0; j < nk_r; ++j) {
-        const float p = sr[j];
-        const float* vj = &vc[j * dim];
-        for (int d = 0; d < dim; ++d) ar[d] += p * vj[d];
-      }
+    if (dim == 64) {
+      narrow_chunk_vec<4>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
+                          acc.data());
+    } else if (dim == 128) {
+      narrow_chunk_vec<8>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
+                          acc.data());
+    } else {
+      narrow_chunk_scalar(rows, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(),
+                          l.data(), acc.data());
     }
   }
   for (int t = 0; t < item.num_tokens; ++t)

@@ -102,7 +102,7 @@ def worker_cbjax(spec: dict) -> dict:
         spec["model"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], compilation_cache_dir=".jax_cache",
         dtype=spec["cbjax_dtype"], kv_cache_dtype=spec["cbjax_kv_cache_dtype"],
-        enable_prefix_caching=spec["prefix_caching"],
+        enable_prefix_caching=spec["prefix_caching"], kv_cache_memory_bytes=spec["kv_cache_gib"] << 30,
     )
     startup = time.perf_counter() - start
     engine = llm.llm_engine
@@ -118,6 +118,7 @@ def worker_cbjax(spec: dict) -> dict:
 
 
 def worker_vllm(spec: dict) -> dict:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_cache_gib"])  # read when the engine starts
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -223,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--vllm-dtype", default="auto")
+    parser.add_argument(
+        "--kv-cache-gib", type=int, default=int(PEER_ENV["VLLM_CPU_KVCACHE_SPACE"]),
+        help="KV cache memory of cbjax and vLLM alike (cbjax's own default pool is far smaller: at 64 long "
+             "requests it preempts while vLLM's 4 GiB holds them all)",
+    )
     parser.add_argument("--cbjax-dtype", default="auto", help="auto: float32 on CPU; bfloat16: bf16 weights, f32 activations")
     parser.add_argument("--cbjax-kv-cache-dtype", default="auto", help="auto: the activation dtype; float16 halves the pool")
     parser.add_argument("--vllm-enforce-eager", action="store_true")
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "hf_dir": args.hf_dir, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
         "vllm_dtype": args.vllm_dtype, "cbjax_dtype": args.cbjax_dtype, "cbjax_kv_cache_dtype": args.cbjax_kv_cache_dtype, "vllm_enforce_eager": args.vllm_enforce_eager, "torch_threads": args.torch_threads,
-        "prefix_caching": args.prefix_caching == "on",
+        "prefix_caching": args.prefix_caching == "on", "kv_cache_gib": args.kv_cache_gib,
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
     }
     work = VENV_ROOT / "runs"
