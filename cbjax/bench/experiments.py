@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from cbjax.bench.cli import (
+from cbjax.bench.common import (
     fmt, add_dataset_args, add_output_args, build_engine, environment, print_table, serve_once, warm_up, write_json,
 )
 from cbjax.cli_args import add_engine_args

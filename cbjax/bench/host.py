@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any
 
-from cbjax.bench.cli import environment, print_table, write_json
+from cbjax.bench.common import environment, print_table, write_json
 from cbjax.cli_args import add_engine_args, engine_options
 
 PASSAGE = (
