@@ -1,10 +1,12 @@
-"""TTFT split into phases from two /metrics scrapes (cbjax.bench.serve_breakdown), on hand-written pages."""
+"""The serving profiles on hand-written inputs: TTFT split into phases from two /metrics scrapes
+(cbjax.bench.serve_breakdown), and each thread's GIL share from py-spy's raw output (cbjax.bench.serve_gil)."""
 
 from __future__ import annotations
 
 import pytest
 
 from cbjax.bench.serve_breakdown import ttft_breakdown
+from cbjax.bench.serve_gil import gil_shares
 
 
 def page(ttft: tuple[float, int], queue: tuple[float, int], prefill: tuple[float, int] | None) -> str:
@@ -56,3 +58,20 @@ def test_a_phase_the_server_does_not_export_or_that_saw_no_request_is_none():
     split = ttft_breakdown(before, after, client_mean_ttft_ms=700.0)
     assert split["prefill"] is None and split["queue"] is None
     assert split["engine_ttft"] == pytest.approx(500.0) and split["front_end"] == pytest.approx(200.0)
+
+
+def test_gil_share_is_a_threads_samples_over_all_samples_taken_with_its_innermost_frame_of_ours():
+    raw = "\n".join([
+        "thread (11): MainThread;run (asyncio/base_events.py:607);sse (cbjax/entrypoints/openai/serving.py:152);"
+        "model_dump_json (pydantic/main.py:587) 30",
+        "thread (11): MainThread;run (asyncio/base_events.py:607);_run_once (asyncio/base_events.py:1922) 20",
+        "thread (12): cbjax-engine-core;_step (cbjax/engine/core.py:120);schedule (cbjax/engine/scheduler.py:90);"
+        "append (collections/__init__.py:10) 150",
+    ])
+    shares = gil_shares(raw, num_samples=1000)
+    assert list(shares) == ["cbjax-engine-core", "MainThread"]  # most GIL first
+    assert shares["cbjax-engine-core"]["gil_share"] == pytest.approx(0.15)
+    assert shares["MainThread"]["gil_share"] == pytest.approx(0.05)  # 30 + 20 of 1000
+    assert shares["MainThread"]["top_frames"] == [
+        ("sse (cbjax/entrypoints/openai/serving.py:152)", 30), ("_run_once (asyncio/base_events.py:1922)", 20)]
+    assert shares["cbjax-engine-core"]["top_frames"] == [("schedule (cbjax/engine/scheduler.py:90)", 150)]
