@@ -62,8 +62,5 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 + Retry-After once this many requests wait (default: no limit)")
     parser.add_argument("--max-request-bytes", type=int, default=10 * 2**20, help="413 for larger request bodies")
-    parser.add_argument("--num-reserved-cpus", type=int, default=1,
-                        help="CPUs left to the HTTP front end: XLA:CPU steps use the others, at least one (as "
-                             "vLLM-CPU's VLLM_CPU_NUM_OF_RESERVED_CPU; 0 = every CPU)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")

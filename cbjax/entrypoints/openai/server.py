@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
 from cbjax.cli_args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
-from cbjax.entrypoints.cpu_threads import limit_compute_threads
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.serving import ServerState
@@ -35,8 +34,6 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    if args.num_processes == 1:  # a multi-host engine must join its peers before JAX's backends start
-        limit_compute_threads(args.num_reserved_cpus)
     api_key = args.api_key or os.environ.get("CBJAX_API_KEY") or None
     if not is_loopback(args.host) and api_key is None:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
