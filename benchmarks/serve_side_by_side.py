@@ -1,6 +1,8 @@
 """Join scripts/bench_{cbjax,vllm}_serve.sh's per-rate results into one JSON and a Markdown table:
 per request rate, both servers' completed requests, output tok/s, TTFT median/p99, ITL median, and
-cbjax over vLLM. Run by scripts/bench_serve_side_by_side.sh, which passes the load averages it read.
+cbjax over vLLM; then where each server's mean TTFT went (front end, queue, prefill: from its /metrics
+scraped before and after the rate, cbjax.bench.serve_breakdown). Run by
+scripts/bench_serve_side_by_side.sh, which passes the load averages it read.
 
     python benchmarks/serve_side_by_side.py --rates 1 2 4 --loadavg "cbjax: 5.1 ..." --out bench_results/serve_side_by_side.json
 """
@@ -11,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from cbjax.bench.serve_breakdown import ttft_breakdown
+
 METRICS = ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "duration")
 SERVERS = ("cbjax", "vllm")
 
@@ -20,6 +24,11 @@ def row(rate: str, results: Path) -> dict:
     joined = {"request_rate": float(rate)} | {name: {m: sides[name][m] for m in METRICS} for name in SERVERS}
     # Higher is better for throughput, lower for latencies; the ratio is always cbjax / vLLM.
     joined["cbjax_over_vllm"] = {m: sides["cbjax"][m] / sides["vllm"][m] for m in METRICS[1:5] if sides["vllm"][m]}
+    for name in SERVERS:
+        scrapes = [results / f"{name}_serve_rate{rate}.metrics_{when}" for when in ("before", "after")]
+        if all(path.exists() for path in scrapes):
+            texts = [path.read_text() for path in scrapes]
+            joined[name]["ttft_breakdown_ms"] = ttft_breakdown(*texts, sides[name]["mean_ttft_ms"])
     return joined
 
 
@@ -37,6 +46,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(rows: list[dict]) -> str:
+    lines = ["| rate (req/s) | server | mean TTFT ms (client) | front end | queue (step end, seat) | prefill | engine TTFT |",
+             "|---|---|---|---|---|---|---|"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for r in rows:
+        for name in SERVERS:
+            if b := r[name].get("ttft_breakdown_ms"):
+                lines.append(f"| {r['request_rate']:g} | {name} | {ms(b['client_ttft'])} | {ms(b['front_end'])} | "
+                             f"{ms(b['queue'])} | {ms(b['prefill'])} | {ms(b['engine_ttft'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rates", nargs="+", required=True)
@@ -48,6 +72,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"loadavg": args.loadavg, "rows": rows}, indent=2))
     print("load average:", "; ".join(args.loadavg))
     print(table(rows))
+    print(breakdown_table(rows))
 
 
 if __name__ == "__main__":

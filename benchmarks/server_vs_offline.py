@@ -85,17 +85,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-ttft", type=int, default=9)
     parser.add_argument("--compile-cache", default=".jax_cache")
+    parser.add_argument("--serve-flags", default="", help='more `cbjax serve` flags, e.g. "--num-reserved-cpus 0"')
     args = parser.parse_args()
     offline_result = offline(args)
     server = ServerProcess(Path(args.model), Path("/tmp/cbjax-bench-serve.log"), "--served-model-name", "bench",
                            "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
-                           "--compilation-cache-dir", args.compile_cache)
+                           "--compilation-cache-dir", args.compile_cache, *args.serve_flags.split())
     try:
         server_result = asyncio.run(served(server.url, args))
     finally:
         server.stop()
     print(json.dumps({
-        "concurrency": args.concurrency, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
+        "serve_flags": args.serve_flags, "concurrency": args.concurrency, "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
         "offline": offline_result, "server": server_result,
         "server_over_offline_tok_s": server_result["output_tok_s"] / offline_result["output_tok_s"],
         "ttft_p50_delta_ms": server_result["ttft_p50_ms"] - offline_result["ttft_p50_ms"],

@@ -1,7 +1,9 @@
 # Shared by scripts/bench_{cbjax,vllm}_serve.sh (source it): wait for a server, then drive it with
 # `cbjax bench serve --base-url` at each request rate, one workload for both servers.
 #   wait_healthy PID PORT LOG            # until GET /health answers, or fail if PID died
-#   drive_rates NAME PORT RATE...        # bench_results/NAME_rate<R>.json per rate
+#   drive_rates NAME PORT RATE...        # bench_results/NAME_rate<R>.json per rate, and the server's
+#                                        # /metrics before and after it (NAME_rate<R>.metrics_{before,after}:
+#                                        # benchmarks/serve_side_by_side.py splits TTFT with them)
 # Environment: PYTHON (cbjax's interpreter), NUM_PROMPTS (default 32).
 
 wait_healthy() {
@@ -15,8 +17,10 @@ drive_rates() {
   local name=$1 port=$2 rate
   shift 2
   for rate in "$@"; do
+    curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_before"
     "$py" -m cbjax.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
       --num-prompts "${NUM_PROMPTS:-32}" --input-len 128 --output-len 128 --range-ratio 0.5 \
       --metric-percentiles 50,99 --result-json "bench_results/${name}_rate$rate.json"
+    curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_after"
   done
 }

@@ -159,6 +159,34 @@ def test_a_rejected_request_raises_while_its_neighbour_is_served(async_llm, tiny
     assert output.outputs[0].token_ids == hf_greedy(tiny[0], PROMPT, 6)
 
 
+def test_a_request_sent_during_a_step_arrives_then_not_when_the_step_ends(async_llm, engine, monkeypatch):
+    """As in vLLM, TTFT and queue time count from when the caller handed the request over, so the rest
+    of the running step is in them (the core only dequeues it between steps)."""
+    run_step, in_step, step_ends = engine.runner.execute, threading.Event(), []
+
+    def slow_step(scheduled):
+        in_step.set()
+        time.sleep(0.3)
+        result = run_step(scheduled)
+        step_ends.append(time.monotonic())
+        return result
+
+    monkeypatch.setattr(engine.runner, "execute", slow_step)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        busy = asyncio.create_task(collect(async_llm, {"prompt_token_ids": PROMPT}, params, "busy"))
+        await asyncio.to_thread(in_step.wait)  # the core is inside busy's first step
+        sent = time.monotonic()
+        (late,) = await collect(async_llm, {"prompt_token_ids": PROMPT[:3]}, params, "late")
+        await busy
+        return sent, late.metrics
+
+    sent, metrics = asyncio.run(run())
+    first_step_end = step_ends[0]
+    assert sent <= metrics.arrival_time < first_step_end <= metrics.first_scheduled_time
+
+
 def test_health_fails_once_the_engine_loop_died(async_llm, engine, monkeypatch):
     """Runs last in this module: it kills the shared engine's loop."""
     def broken_step(scheduled):

@@ -324,6 +324,10 @@ def test_metrics_counters_equal_what_was_sent(server, client):
     assert delta("vllm:request_success_total", finished_reason="length") == 3
     assert delta("vllm:e2e_request_latency_seconds_count") == 3
     assert delta("vllm:time_to_first_token_seconds_count") == 3
+    # Waiting then the prompt's step: both end before the first token goes out, so they fit in TTFT.
+    assert delta("vllm:request_queue_time_seconds_count") == delta("vllm:request_prefill_time_seconds_count") == 3
+    assert 0 < (delta("vllm:request_queue_time_seconds_sum") + delta("vllm:request_prefill_time_seconds_sum")
+                <= delta("vllm:time_to_first_token_seconds_sum"))
     assert delta("vllm:inter_token_latency_seconds_count") == 2 + 4 + 6
     assert delta("vllm:request_generation_tokens_sum") == 15
     assert delta("vllm:request_prompt_tokens_sum") == sum(map(len, PROMPTS[:3]))

@@ -51,8 +51,9 @@ class EngineCore:
         self.thread.start()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink) -> None:
-        """Queue a request; its outputs, or the ValueError that rejected it, go to `sink`."""
-        self.commands.put(("add", request_id, prompt, params, sink))
+        """Queue a request; its outputs, or the ValueError that rejected it, go to `sink`. It arrives
+        now, not when the core dequeues it, so its TTFT counts the wait for the running step (as vLLM's)."""
+        self.commands.put(("add", request_id, prompt, params, sink, time.monotonic()))
 
     def abort_request(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -84,7 +85,7 @@ class EngineCore:
             self.sinks.clear()
             while (command := self._next_command()) is not None:  # adds sent while it was dying
                 if command[0] == "add":
-                    self._deliver(command[-1], dead)
+                    self._deliver(command[4], dead)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once shutdown was asked."""
@@ -107,9 +108,11 @@ class EngineCore:
         except queue.Empty:
             return None
 
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink) -> None:
+    def _add(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, arrival_time: float
+    ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, arrival_time)
         except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
             self._deliver(sink, error)
             return

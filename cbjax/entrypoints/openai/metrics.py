@@ -75,6 +75,8 @@ class PrometheusStatLogger:
                              LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                one_two_five_buckets(max_model_len))
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
@@ -124,5 +126,7 @@ class PrometheusStatLogger:
             self.e2e.observe(now - metrics.arrival_time)
             if metrics.first_scheduled_time is not None:
                 self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+                if metrics.first_token_time is not None:
+                    self.prefill_time.observe(metrics.first_token_time - metrics.first_scheduled_time)
             self.request_prompt_tokens.observe(len(output.prompt_token_ids))
             self.request_generation_tokens.observe(num_output_tokens)
