@@ -162,7 +162,7 @@ def test_a_rejected_request_raises_while_its_neighbour_is_served(async_llm, tiny
 def test_a_request_sent_during_a_step_arrives_then_not_when_the_step_ends(async_llm, engine, monkeypatch):
     """As in vLLM, TTFT and queue time count from when the caller handed the request over, so the rest
     of the running step is in them (the core only dequeues it between steps)."""
-    run_step, in_step, step_ends = engine.runner.execute, threading.Event(), []
+    run_step, in_step, step_ends = engine.runner.dispatch, threading.Event(), []
 
     def slow_step(scheduled):
         in_step.set()
@@ -171,7 +171,7 @@ def test_a_request_sent_during_a_step_arrives_then_not_when_the_step_ends(async_
         step_ends.append(time.monotonic())
         return result
 
-    monkeypatch.setattr(engine.runner, "execute", slow_step)
+    monkeypatch.setattr(engine.runner, "dispatch", slow_step)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def run():
