@@ -124,8 +124,9 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     # Both configs have 2 layers, untied, and a vocabulary that 2 and 4 divide. Per layer: q/k/v and gate/up
     # split by output columns, o and down by input rows, 2 norms replicated; K and V pools split over
     # KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows (vocabulary), the
-    # final norm and the packed inputs replicated, the penalty table's two [seqs, vocab] arrays replicated.
-    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 2 * 2 + 1 + 1,
+    # final norm, the packed inputs and the previous step's sampled tokens (async scheduling) replicated,
+    # the penalty table's two [seqs, vocab] arrays replicated.
+    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 2 * 2 + 1 + 1 + 1,
             '[{"model"}, {}, {}, {}]': 2 * 2, "[{}, {}]": 2}
     assert all(shardings == want for shardings in run["shardings"])
 
