@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import threading
 
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
@@ -97,3 +98,19 @@ def build() -> pathlib.Path:
         raise KernelBuildError(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
     os.replace(tmp, target)
     return target
+
+
+def build_in_background() -> threading.Thread:
+    """Start build() on a thread, so that the compiler (its own process) runs while the engine loads
+    the weights; join the thread before the kernel is first used. A failed build is left for the
+    engine's own kernel check (kernel_problem) to report."""
+
+    def build_quietly() -> None:
+        try:
+            build()
+        except Exception:  # noqa: BLE001 - reported by kernel_problem() when the backend is chosen
+            pass
+
+    thread = threading.Thread(target=build_quietly, name="cbjax-kernel-build", daemon=True)
+    thread.start()
+    return thread

@@ -29,6 +29,7 @@ from cbjax.models.llama import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer import Tokenizer
+from kernels_cpu.build import build_in_background
 from kernels_pallas.backend import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class LLMEngine:
         tensor_parallel = None
         if config.tensor_parallel_size > 1:  # checked against the model before any weight is read
             tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size)
+        # On a CPU the C++ attention kernel may need building (seconds): overlap it with the weights' load.
+        kernel_build = build_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
         # Under TP, model_config counts KV heads after repetition (see cbjax/engine/sharding.py).
         model, self.model_config = load_model(
             config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel
@@ -60,6 +63,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
         mc = self.model_config
+        if kernel_build is not None:
+            kernel_build.join()
         self.backend = resolve_backend(
             config.attention_backend,
             num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads
