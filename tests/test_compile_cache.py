@@ -10,12 +10,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from test_kernel_lowering import metadata as abstract_metadata
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax.engine.compile_cache import DISABLE_ENV, compile_cache_folder
 from kernels_cpu import build as kernel_build
 from kernels_cpu.attention import write_kv_and_attend_cpu
-from kernels_pallas.reference import AttentionMetadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,11 +95,7 @@ def test_compiled_steps_name_the_kernel_build_they_call():
     build_hash = kernel_build.library_path(kernel_build.compiler()).stem.rsplit("_", 1)[-1]
     pool = jax.ShapeDtypeStruct((1, 4, 8, 16), jnp.float32)
     new = jax.ShapeDtypeStruct((2, 1, 16), jnp.float32)
-    metadata = AttentionMetadata(
-        slot_mapping=jax.ShapeDtypeStruct((2,), jnp.int32),
-        query_start_loc=jax.ShapeDtypeStruct((3,), jnp.int32),
-        seq_lens=jax.ShapeDtypeStruct((2,), jnp.int32),
-        block_tables=jax.ShapeDtypeStruct((2, 2), jnp.int32),
-    )
-    hlo = jax.jit(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=0.25)).lower(new, new, new, pool, pool, metadata).as_text()
+    hlo = jax.jit(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=0.25)).lower(
+        new, new, new, pool, pool, abstract_metadata(num_tokens=2, num_reqs=2, max_blocks=2)
+    ).as_text()
     assert f"CbjaxWriteKvAttentionF32_{build_hash}" in hlo

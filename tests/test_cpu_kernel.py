@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernel_lowering import metadata as abstract_metadata
 from test_kernels import MAX_BLOCKS, SM_SCALE, Case, decode_lengths, fill_pool, mixed_batch, ragged_metadata, random_q
 
 import kernels_pallas.backend as backend
 from kernels_cpu import build as kernel_build
 from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
-from kernels_pallas.reference import AttentionMetadata, ragged_paged_attention_reference, write_kv
+from kernels_pallas.reference import ragged_paged_attention_reference, write_kv
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
 
@@ -147,12 +148,7 @@ def test_fused_write_updates_a_donated_pool_in_place():
     pool = jax.ShapeDtypeStruct((3, 512, 16, 64), jnp.float16)
     new = jax.ShapeDtypeStruct((16, 3, 64), jnp.float32)
     q = jax.ShapeDtypeStruct((16, 9, 64), jnp.float32)
-    metadata = AttentionMetadata(
-        slot_mapping=jax.ShapeDtypeStruct((16,), jnp.int32),
-        query_start_loc=jax.ShapeDtypeStruct((17,), jnp.int32),
-        seq_lens=jax.ShapeDtypeStruct((16,), jnp.int32),
-        block_tables=jax.ShapeDtypeStruct((16, 32), jnp.int32),
-    )
+    metadata = abstract_metadata(num_tokens=16, num_reqs=16, max_blocks=32)
     step = functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE)
     compiled = jax.jit(step, donate_argnums=(3, 4)).lower(q, new, new, pool, pool, metadata).compile()
     memory = compiled.memory_analysis()
