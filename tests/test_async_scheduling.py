@@ -63,7 +63,10 @@ def requests(draw):
 
 
 def serve(engine: LLMEngine, workload: list, async_scheduling: bool) -> dict[str, tuple]:
-    """Run `workload` to the end; each request's final output, in comparable form."""
+    """Run `workload` to the end from an empty prefix cache; each request's final output, in
+    comparable form. A warm cache changes which prompt tokens are computed, and so the last bits
+    of the logprobs: both modes must start from the same state for exact equality to hold."""
+    assert engine.reset_prefix_cache()
     engine.config.async_scheduling = async_scheduling
     abort_after = {}
     for index, (prompt, params, abort) in enumerate(workload):

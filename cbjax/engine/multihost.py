@@ -14,7 +14,12 @@ raises it, a worker prints it. Such a process then exits with PEER_LOST_EXIT_STA
 the interpreter exits, skipping jax.distributed's shutdown barrier (which would wait out the
 heartbeat timeout for the dead peer, then abort with a C++ stack trace). A process that loses a
 peer while outside a collective (an idle leader) is stopped by jax.distributed's heartbeats
-(HEARTBEAT_TIMEOUT_S). A leader that exits normally tells the workers to stop (exit status 0).
+(HEARTBEAT_TIMEOUT_S). So is a worker whose leader dies, when its error poll finds process 0's
+coordination service gone before gloo/NCCL fails the step (a race: both happen at once): jax logs
+"Terminating process because the JAX distributed service detected fatal errors ... another task
+died" and aborts. jax.distributed takes no callback to replace that abort from Python (the client
+factory's callback receives a C++ status it cannot pass to Python: std::bad_cast, measured on jax
+0.10). A leader that exits normally tells the workers to stop (exit status 0).
 """
 
 from __future__ import annotations
