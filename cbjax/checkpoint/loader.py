@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +15,7 @@ from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
 from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.config import ModelConfig
+from cbjax.heap import release_free_heap
 from cbjax.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -57,18 +57,6 @@ def load_model(
         model = _fill_model(config, model_dtype, params, activation_dtype, place)
     release_free_heap()
     return model, config
-
-
-def release_free_heap() -> None:
-    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise).
-
-    Restoring a checkpoint leaves the host copies and tensorstore's buffers freed but resident:
-    about 150 MB for SmolLM2's 540 MB of weights, which would count in the engine's footprint.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to release this way
-        pass
 
 
 def _restore_orbax(
