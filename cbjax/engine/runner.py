@@ -301,8 +301,9 @@ class ModelRunner:
                 executables[shape], fresh = future.result()
                 if fresh and shape in keys:
                     self.step_cache.store(keys[shape], executables[shape])
-        if lowered:  # XLA's compiling threads leave ~470 MB freed in their arenas (cold SmolLM2): drop it
-            release_free_heap()
+                # Each compile leaves tens of MB freed in its thread's malloc arena, ~470 MB for a
+                # cold SmolLM2 start: hand it back as it comes, or it sits under the warm-up's peak.
+                release_free_heap()
         for bucket, shape in shapes.items():
             self.compiled[bucket] = executables[shape]
         self.warm_up()
