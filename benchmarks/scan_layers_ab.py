@@ -9,8 +9,8 @@ norm and head on the last row.
 
 - compile: each variant compiles the three step shapes (decode 16 and 64 rows, a 256-token
   prompt) in a fresh subprocess without a compilation cache, alternated: seconds, and the RSS
-  the compiles added (peak RSS minus RSS before compiling; the scanned side's stacked copy of the
-  weights is made before, so it is not counted).
+  the compiles added (the peak RSS while compiling, reset just before, minus the RSS then; the
+  scanned side's stacked copy of the weights is made before, so it is not counted).
 - step: one process holds both variants' executables and calls them alternately; medians.
 - pool size: XLA:CPU hands the kernel each layer's pool as a copy inside the loop, so a 16-block
   pool shows the cost that is left when that copy is nearly free (the layer weights' copies).
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -37,9 +36,16 @@ SHAPES = {"decode16": (16, 1, 200), "decode64": (64, 1, 200), "prefill256": (1, 
 VARIANTS = ("unrolled", "scanned")
 
 
-def rss_mib() -> float:
+def status_mib(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (peak resident since start or the last reset_peak_rss) in MiB."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS (Linux 4.0+), so the next peak is the compiles' alone."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def build(dtype: str, num_blocks: int):
@@ -106,13 +112,14 @@ def compile_child(variant: str, dtype: str, num_blocks: int) -> dict:
     """In a fresh process: compile every shape of one variant; seconds and RSS."""
     variants, inputs = build(dtype, num_blocks)
     forward, weights, pool = variants[variant]
-    before = rss_mib()
+    before = status_mib("VmRSS")
+    reset_peak_rss()
     seconds = {}
     for shape, args in inputs.items():
         start = time.perf_counter()
         forward.lower(weights, pool, *args).compile()
         seconds[shape] = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = status_mib("VmHWM")
     return {"compile_s": seconds, "compile_total_s": sum(seconds.values()), "rss_before_mib": before,
             "peak_rss_mib": peak, "compile_added_mib": peak - before}
 
