@@ -6,7 +6,7 @@ the runner's release_free_heap with a no-op, "release" is the engine as it is. T
 Reported per run: LLM() seconds, the time in compiling, and the process's peak RSS (getrusage,
 this process alone, not the compiler it spawns for the C++ kernel).
 
-    python benchmarks/cold_rss_ab.py --rounds 2 --out cold_rss_ab.json
+    python benchmarks/cold_rss_ab.py --rounds 2 --out cold_rss_ab.json [--cpu-count 7]
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ import time
 SETTINGS = ("keep", "release")
 
 
-def child(model: str, setting: str) -> dict:
+def child(model: str, setting: str, cpu_count: int | None) -> dict:
     import cbjax.engine.runner as runner_module
     from cbjax import LLM
+
+    if cpu_count is not None:  # the runner compiles on os.cpu_count() threads: as on a machine with this many cores
+        runner_module.os.cpu_count = lambda: cpu_count
 
     if setting == "keep":
         runner_module.release_free_heap = lambda: None
@@ -49,17 +52,20 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="cold_rss_ab.json")
+    parser.add_argument("--cpu-count", type=int, default=None,
+                        help="compile on this many threads, as on a machine with that many cores (default: this one's)")
     parser.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.model, args.child)))
+        print(json.dumps(child(args.model, args.child, args.cpu_count)))
         return
     runs = {setting: [] for setting in SETTINGS}
     for _ in range(args.rounds):
         for setting in SETTINGS:
             with tempfile.TemporaryDirectory() as caches:
                 env = {k: v for k, v in os.environ.items() if k not in ("CBJAX_DISABLE_COMPILE_CACHE", "CBJAX_KERNEL_CACHE")}
-                out = subprocess.run([sys.executable, __file__, "--child", setting, "--model", args.model],
+                cores = [] if args.cpu_count is None else ["--cpu-count", str(args.cpu_count)]
+                out = subprocess.run([sys.executable, __file__, "--child", setting, "--model", args.model, *cores],
                                      env=env | {"CBJAX_CACHE_DIR": caches}, capture_output=True, text=True, check=True)
             runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(setting, runs[setting][-1], flush=True)

@@ -5,7 +5,8 @@ section 14): the 30 layers' weights stacked along a leading axis (a copy made at
 layer body under `jax.lax.scan`, and the KV pool as one K and one V array with a leading layer
 axis, carried through the loop and updated at the layer's index. The unrolled stack is the
 engine's `LlamaForCausalLM.hidden_states`. Both run the C++ CPU attention kernel, then the final
-norm and head on the last row.
+norm and head on the last two rows (as the engine's steps do, never one: a one-row bf16 dot is
+about 10x slower than a two-row one on XLA:CPU, BENCHMARKS.md section 7).
 
 - compile: each variant compiles the three step shapes (decode 16 and 64 rows, a 256-token
   prompt) in a fresh subprocess without a compilation cache, alternated: seconds, and the RSS
@@ -71,7 +72,7 @@ def build(dtype: str, num_blocks: int):
     def unrolled(weights, caches, token_ids, positions, metadata):
         model = nnx.merge(graphdef, weights)
         hidden, caches = model.hidden_states(token_ids, positions, caches, metadata, plan)
-        return model.compute_logits(hidden[-1:]), caches
+        return model.compute_logits(hidden[-2:]), caches
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def scanned(weights, pool, token_ids, positions, metadata):
@@ -88,7 +89,7 @@ def build(dtype: str, num_blocks: int):
             return (x, k_pool, v_pool, index + 1), None
 
         (x, k_pool, v_pool, _), _ = jax.lax.scan(layer_step, (x, *pool, jnp.int32(0)), stacked)
-        return model.compute_logits(x[-1:]), (k_pool, v_pool)
+        return model.compute_logits(x[-2:]), (k_pool, v_pool)
 
     def inputs(rows: int, tokens_per_row: int, context: int):
         pages = -(-context // BLOCK_SIZE)
