@@ -259,7 +259,9 @@ class LLMEngine:
                 self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]
             progressed[parent.request_id] = parent
-        return [self._finish_output(p) if p.finished else self.output_processor.make_output(p) for p in progressed.values()]
+        make_output, wants_output = self.output_processor.make_output, self.output_processor.wants_output
+        return [self._finish_output(p) if p.finished else make_output(p) for p in progressed.values()
+                if p.finished or wants_output(p)]
 
     def _finish_output(self, parent: ParentRequest) -> RequestOutput:
         del self.requests[parent.request_id]
