@@ -16,7 +16,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # The finished statuses are the last ones; an int compare, not an enum hash (asked of every request every step).
+        return self._value_ >= RequestStatus.FINISHED_STOPPED._value_
 
     @property
     def finish_reason(self) -> str | None:
