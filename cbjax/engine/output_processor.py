@@ -110,7 +110,7 @@ class OutputProcessor:
         A DELTA request's completions hold only what its earlier outputs did not, and its
         prompt_token_ids are the request's own list (as vLLM's), not a copy per step.
         """
-        first = parent.children[0]
+        first, finished = parent.children[0], parent.finished
         first_state = self.texts[first.request_id]
         delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
         output = RequestOutput(
@@ -118,12 +118,12 @@ class OutputProcessor:
             prompt=first_state.prompt,
             prompt_token_ids=first.prompt_token_ids if delta else list(first.prompt_token_ids),
             outputs=[self._completion(child, index, delta) for index, child in enumerate(parent.children)],
-            finished=parent.finished,
+            finished=finished,
             prompt_logprobs=None if first_state.prompt_logprobs is None else [None, *first_state.prompt_logprobs],
             metrics=_metrics(parent.children),
             num_cached_tokens=first.num_cached_tokens,
         )
-        if parent.finished:
+        if finished:
             for child in parent.children:
                 del self.texts[child.request_id]
         return output

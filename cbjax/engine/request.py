@@ -22,13 +22,13 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """vLLM's finish_reason: "stop" | "length" | "abort", or None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS.get(self._value_)  # by value: an enum member's hash is computed in Python
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED.value: "stop",
+    RequestStatus.FINISHED_LENGTH.value: "length",
+    RequestStatus.FINISHED_ABORTED.value: "abort",
 }
 
 
