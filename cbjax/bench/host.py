@@ -87,7 +87,8 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
             steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
         ) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
-        "num_output_tokens": sum(output.metrics.num_generation_tokens for output in finished),  # a DELTA output holds only its last tokens
+        # (a DELTA output holds only its last tokens: count them from the metrics)
+        "num_output_tokens": sum(output.metrics.num_generation_tokens for output in finished),
         "finish_reasons": sorted({output.outputs[0].finish_reason for output in finished}),
         "elapsed_s": elapsed,
     }

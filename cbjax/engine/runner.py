@@ -155,7 +155,7 @@ class ModelRunner:
         # each request's row in them: the next step reads from there the tokens the host lacks.
         self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
         self._last_sampling_rows: dict[str, int] = {}
-        self._seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
+        self.request_seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
         self.compiled: dict[Bucket, Any] = {}
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
@@ -473,16 +473,16 @@ class ModelRunner:
         suppress: list[int] = []
         if output_index < params.min_tokens:
             suppress = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
-        seed = self._seeds.get(request.request_id)
+        seed = self.request_seeds.get(request.request_id)
         if seed is None:
-            seed = self._seeds[request.request_id] = request_seed(self.config.seed, request.request_id, params.seed)
+            seed = self.request_seeds[request.request_id] = request_seed(self.config.seed, request.request_id, params.seed)
         penalty_slot = self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT
         return SamplingRow(params, seed, output_index, suppress, penalty_slot)
 
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""
         self.penalty_slots.release(request_id)
-        self._seeds.pop(request_id, None)
+        self.request_seeds.pop(request_id, None)
 
     def execute(
         self, scheduled: SchedulerOutput
