@@ -431,22 +431,27 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - (ends - counts), counts)
         self._fill_block_tables(attn.block_tables, [row.request.block_ids for row in rows])
         token_ids: list[int] = []
-        for row in rows:
+        placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
+        row_penalty_slots, row_prompt_lens = [NO_SLOT] * num_rows, [0] * num_rows
+        for i, row in enumerate(rows):
             request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
             known = request.all_token_ids[start : start + n]
             token_ids += known
             if len(known) < n:  # the token the previous step samples: taken from its output on the device
-                inputs.token_sources[len(token_ids)] = self._last_sampling_rows[request.request_id]
+                placeholders.append(len(token_ids))
+                sources.append(self._last_sampling_rows[request.request_id])
                 token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
-                inputs.token_penalty_slots[offset : offset + n] = self.penalty_slots.slot(request.request_id)
-                inputs.token_prompt_lens[offset : offset + n] = num_prompt
+                row_penalty_slots[i], row_prompt_lens[i] = self.penalty_slots.slot(request.request_id), num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
                 inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
         inputs.token_ids[:num_tokens] = token_ids
+        inputs.token_sources[placeholders] = sources
+        inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
+        inputs.token_prompt_lens[:num_tokens] = np.repeat(row_prompt_lens, counts)
         inputs.positions[:num_tokens] = positions
         attn.slot_mapping[:num_tokens] = attn.block_tables[row_of_token, positions // bs] * bs + positions % bs
         attn.seq_lens[:num_rows] = starts + counts
