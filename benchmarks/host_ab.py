@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from cbjax.bench.common import print_table
+from cbjax.bench.common import print_table, write_json
 
 SETTING = ["max_model_len", "variant", "num_running", "delay_ms"]
 
@@ -79,9 +79,7 @@ def main() -> None:
         row["wall_old_cumulative"] = median("old", "cumulative", "wall_ms_per_step")
         rows.append(row)
     print_table(rows, list(rows[0]))
-    if args.result_json:
-        pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.result_json).write_text(json.dumps({"rows": rows, "runs": runs, "args": vars(args)}, indent=1))
+    write_json(args.result_json, {"rows": rows, "runs": runs, "args": vars(args)})
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ per step over --repeats, and 8192 / 1024.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 
-from cbjax.bench.common import print_table
+from cbjax.bench.common import print_table, write_json
 from cbjax.bench.host import add_host_parser, build_standin_engine, run_host
 
 
@@ -53,9 +51,7 @@ def main() -> None:
                 print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))
-    if args.result_json:
-        pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.result_json).write_text(json.dumps({"rows": rows, "runs": runs, "args": vars(args)}, indent=1))
+    write_json(args.result_json, {"rows": rows, "runs": runs, "args": vars(args)})
 
 
 if __name__ == "__main__":
