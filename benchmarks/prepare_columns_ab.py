@@ -29,6 +29,7 @@ def make(mod, max_model_len, num_seqs):
     r.penalty_slots = PenaltySlots(num_seqs)
     r.buckets = compute_buckets(num_seqs, 512)
     r._last_sampling_rows = {}
+    r.request_seeds = {}
     return r
 
 def workload(num_seqs, rng, mixed):

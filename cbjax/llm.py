@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from cbjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine, Prompt
 from cbjax.outputs import RequestOutput
-from cbjax.sampling_params import SamplingParams
+from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer import Tokenizer
 
 Message = dict[str, str]
@@ -80,12 +81,14 @@ class LLM:
                 "pass one SamplingParams or one per prompt"
             )
         engine = self.llm_engine
+        # Only the finished outputs are returned: as vLLM's LLM does, ask the engine for nothing else.
+        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 ids.append(str(self._next_id))
                 self._next_id += 1
-                engine.add_request(ids[-1], prompt, params)
+                engine.add_request(ids[-1], prompt, final_only[id(params)])
         except ValueError as error:
             # One bad prompt rejects the call (as in vLLM); the ones already queued are withdrawn, nothing leaks.
             for request_id in ids[:-1]:

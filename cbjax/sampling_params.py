@@ -54,7 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token, plus the prompt token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # applied by AsyncLLM's streams
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each engine output holds
 
     def __post_init__(self) -> None:
         self._validate()

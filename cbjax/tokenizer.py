@@ -145,7 +145,8 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        # The backend's own decode: called twice per token of every request, the wrapper's copy shows.
+        return self.tokenizer.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
 
 def _bos_eos_post_processor(

@@ -61,7 +61,8 @@ def test_bench_host_reports_per_step_times_for_every_variant(checkpoint, tmp_pat
     path = tmp_path / "host.json"
     main([
         "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "256",
-        "--delays-ms", "0", "3", "--variants", "greedy", "penalties+stop", "--prompt-len", "8", "--output-len", "6",
+        "--delays-ms", "0", "3", "--variants", "greedy", "penalties+stop", "--output-kinds", "delta",
+        "--prompt-len", "8", "--output-len", "6",
         "--async-scheduling", "on", "off", "--result-json", str(path),
     ])
     result = json.loads(path.read_text())

@@ -17,6 +17,9 @@ the passage continued, --output-len tokens, ignore_eos) and are measured over th
   host's work of a step, hidden or not): on a shared, loaded machine it moves far less than wall
   times do.
 Runs repeat (--repeats) interleaved; `medians` gives each setting's median over the repeats.
+Output kinds (--output-kinds): final_only, as LLM.generate asks (no output until a request
+finishes); delta, as a server's stream (each step's new tokens and text); cumulative, everything
+so far every step (SamplingParams' default).
 Variants: greedy alone; + penalties (presence, frequency, repetition: the token history is packed);
 + stop strings (checked on the text every step, never found, so every request runs to the end).
 """
@@ -44,18 +47,20 @@ STOP_STRINGS = ["\nUser:", "</answer>"]  # not in PASSAGE: checked every step, n
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
-SETTING = ["max_model_len", "variant", "num_running", "delay_ms", "async_scheduling"]
+OUTPUT_KINDS = ["final_only", "delta", "cumulative"]
+SETTING = ["max_model_len", "variant", "output_kind", "num_running", "delay_ms", "async_scheduling"]
 TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
 KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
-             variant: str, delay_s: float, async_scheduling: str = "on") -> dict[str, Any]:
+             variant: str, delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only") -> dict[str, Any]:
     """One run: `num_running` requests from start to finish; medians over the steps all of them decode."""
-    from cbjax.sampling_params import SamplingParams
+    from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
     passage = engine.tokenizer.encode(PASSAGE)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, **VARIANTS[variant])
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind[output_kind.upper()], **VARIANTS[variant])
     timeline.delay_s = delay_s
     timeline.steps.clear()
     engine.config.async_scheduling = async_scheduling == "on"
@@ -71,7 +76,7 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
     if not full:
         raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
     return {
-        "max_model_len": engine.config.max_model_len, "variant": variant, "num_running": num_running,
+        "max_model_len": engine.config.max_model_len, "variant": variant, "output_kind": output_kind, "num_running": num_running,
         "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling, "prompt_len": prompt_len, "output_len": output_len,
         "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
@@ -82,7 +87,8 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
             steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
         ) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
-        "num_output_tokens": sum(len(output.outputs[0].token_ids) for output in finished),
+        # (a DELTA output holds only its last tokens: count them from the metrics)
+        "num_output_tokens": sum(output.metrics.num_generation_tokens for output in finished),
         "finish_reasons": sorted({output.outputs[0].finish_reason for output in finished}),
         "elapsed_s": elapsed,
     }
@@ -123,13 +129,14 @@ def cmd_host(args: argparse.Namespace) -> None:
         run_host(engine, timeline, min(args.num_running), args.prompt_len, args.output_len, "penalties+stop", 0.0)  # warm-up
         for _ in range(args.repeats):
             for variant in args.variants:
-                for num_running in args.num_running:
-                    for delay_ms in args.delays_ms:
-                        pair = len(runs) // len(args.async_scheduling)  # A B, then B A: side by side, fairly
-                        for overlap in args.async_scheduling if pair % 2 == 0 else reversed(args.async_scheduling):
-                            runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
-                                                 variant, delay_ms / 1e3, overlap))
-                            print_table(runs[-1:], KEYS)
+                for output_kind in args.output_kinds:
+                    for num_running in args.num_running:
+                        for delay_ms in args.delays_ms:
+                            pair = len(runs) // len(args.async_scheduling)  # A B, then B A: side by side, fairly
+                            for overlap in args.async_scheduling if pair % 2 == 0 else reversed(args.async_scheduling):
+                                runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
+                                                     variant, delay_ms / 1e3, overlap, output_kind))
+                                print_table(runs[-1:], KEYS)
     medians = medians_by_setting(runs)
     print(f"\nmedians over {args.repeats} repeat(s):")
     print_table(medians, [*SETTING, *TIMES])
@@ -144,6 +151,8 @@ def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-lens", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0, 5.0], help="device time per step")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--output-kinds", nargs="+", default=OUTPUT_KINDS[:2], choices=OUTPUT_KINDS,
+                   help="what each step's outputs hold: final_only (LLM.generate), delta (a server's stream), cumulative")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")

@@ -14,9 +14,8 @@ from typing import Any
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.core import EngineCore, EngineDeadError, StatLogger
 from cbjax.engine.engine import LLMEngine, Prompt
-from cbjax.engine.output_kinds import OutputKindView
 from cbjax.outputs import RequestOutput
-from cbjax.sampling_params import SamplingParams
+from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer import Tokenizer
 
 
@@ -66,7 +65,8 @@ class AsyncLLM:
         self.core.add_request(
             request_id, prompt, sampling_params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)
         )
-        view = OutputKindView(sampling_params.output_kind)
+        # The engine shapes outputs by kind; a FINAL_ONLY request may still get one every step (the metrics read them).
+        final_only = sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
         finished = False
         try:
             while not finished:
@@ -75,9 +75,8 @@ class AsyncLLM:
                     finished = True  # rejected or engine dead: nothing to abort
                     raise item
                 finished = item.finished
-                shown = view.apply(item)
-                if shown is not None:
-                    yield shown
+                if finished or not final_only:
+                    yield item
         finally:
             if not finished:  # the caller left early (cancelled, closed, disconnected)
                 self.core.abort_request(request_id)

@@ -108,7 +108,7 @@ class BlockManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         # A cached block nobody holds leaves the free queue when this request takes it.
-        num_reused_free = sum(self.ref_counts[block_id] == 0 for block_id in computed_blocks)
+        num_reused_free = sum(self.ref_counts[block_id] == 0 for block_id in computed_blocks) if computed_blocks else 0
         return self.num_missing_blocks(request, num_new_tokens, computed_blocks) <= self.num_free_blocks - num_reused_free
 
     def allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> None:

@@ -42,6 +42,8 @@ class EngineCore:
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.sinks: dict[str, OutputSink] = {}
         self.stats: dict[str, Any] = engine.get_stats()  # replaced (not mutated) after every iteration
+        # The stat loggers count every request's tokens as they come, FINAL_ONLY ones too.
+        engine.output_processor.report_every_step = bool(self.stat_loggers)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="cbjax-engine-core", daemon=True)
 

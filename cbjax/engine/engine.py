@@ -237,7 +237,7 @@ class LLMEngine:
         never shown or counted, and its blocks and penalty slot are already free."""
         rows = [row for row in launched.scheduled.scheduled if not row.request.is_finished]
         sampled, prompt_logprobs = self.runner.collect(launched)
-        for row in rows:
+        for row in rows if prompt_logprobs else ():
             if row.request.request_id in prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
         self.scheduler.update(launched.scheduled, {rid: s.token_id for rid, s in sampled.items()})
@@ -259,7 +259,13 @@ class LLMEngine:
                 self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]
             progressed[parent.request_id] = parent
-        return [self._finish_output(p) if p.finished else self.output_processor.make_output(p) for p in progressed.values()]
+        outputs = []
+        for parent in progressed.values():
+            if parent.finished:
+                outputs.append(self._finish_output(parent))
+            elif self.output_processor.wants_output(parent):
+                outputs.append(self.output_processor.make_output(parent))
+        return outputs
 
     def _finish_output(self, parent: ParentRequest) -> RequestOutput:
         del self.requests[parent.request_id]

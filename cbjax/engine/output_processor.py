@@ -1,4 +1,9 @@
-"""Turns sampled tokens into text: incremental detokenization, stop strings, logprobs, outputs."""
+"""Turns sampled tokens into text: incremental detokenization, stop strings, logprobs, outputs.
+
+Outputs are built only where someone reads them (vLLM V1's OutputProcessor): a FINAL_ONLY
+request (LLM.generate's, a server's non-streamed one) gets no RequestOutput until it finishes,
+and a DELTA request (a server's stream) only what is new since its previous one.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
 from cbjax.engine.runner import PromptLogprobsChunk, SampledToken
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cbjax.sampling_params import RequestOutputKind
 from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -21,12 +27,23 @@ class RequestText:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob]] | None = None  # from the second prompt token on
+    # What earlier DELTA outputs carried: the text, the token ids and the logprobs before these.
+    sent_text: int = 0
+    sent_token_ids: int = 0
+    sent_logprobs: int = 0
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.texts: dict[str, RequestText] = {}
+        # Set by a reader of every request's progress (the server's metrics): FINAL_ONLY requests
+        # then get an output every step as well, which their callers' streams do not show.
+        self.report_every_step = False
+
+    def wants_output(self, parent: ParentRequest) -> bool:
+        """Whether an unfinished request's progress this step needs a RequestOutput."""
+        return self.report_every_step or parent.children[0].sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
 
     def add_request(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
@@ -88,43 +105,65 @@ class OutputProcessor:
         return entry
 
     def make_output(self, parent: ParentRequest) -> RequestOutput:
-        """One output per submitted request: a completion per child, index = its place among them."""
-        first = parent.children[0]
+        """One output per submitted request: a completion per child, index = its place among them.
+
+        A DELTA request's completions hold only what its earlier outputs did not, and its
+        prompt_token_ids are the request's own list (as vLLM's), not a copy per step.
+        """
+        first, finished = parent.children[0], parent.finished
         first_state = self.texts[first.request_id]
+        delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
         output = RequestOutput(
             request_id=parent.request_id,
             prompt=first_state.prompt,
-            prompt_token_ids=list(first.prompt_token_ids),
-            outputs=[self._completion(child, index) for index, child in enumerate(parent.children)],
-            finished=parent.finished,
+            prompt_token_ids=first.prompt_token_ids if delta else list(first.prompt_token_ids),
+            outputs=[self._completion(child, index, delta) for index, child in enumerate(parent.children)],
+            finished=finished,
             prompt_logprobs=None if first_state.prompt_logprobs is None else [None, *first_state.prompt_logprobs],
             metrics=_metrics(parent.children),
             num_cached_tokens=first.num_cached_tokens,
         )
-        if parent.finished:
+        if finished:
             for child in parent.children:
                 del self.texts[child.request_id]
         return output
 
-    def _completion(self, request: Request, index: int) -> CompletionOutput:
+    def _completion(self, request: Request, index: int, delta: bool) -> CompletionOutput:
         state = self.texts[request.request_id]
-        params, text = request.sampling_params, state.text
+        params, text_end = request.sampling_params, len(state.text)
         if not request.is_finished and params.stop and not params.include_stop_str_in_output:
             # As vLLM streams: hold back the characters that may yet begin a stop string.
-            text = text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
+            text_end = max(0, text_end - max(map(len, params.stop)) + 1)
+        logprobs = state.logprobs
+        if delta:
+            # A stop string found later can cut the text below what was sent; nothing can be unsent.
+            text = state.text[state.sent_text : text_end]
+            token_ids = request.output_token_ids[state.sent_token_ids :]
+            state.sent_text = max(state.sent_text, text_end)
+            state.sent_token_ids = request.num_output_tokens
+            if logprobs is not None:
+                logprobs, state.sent_logprobs = logprobs[state.sent_logprobs :], len(logprobs)
+        else:
+            text = state.text[:text_end]
+            token_ids = list(request.output_token_ids)
+            logprobs = None if logprobs is None else list(logprobs)
         return CompletionOutput(
             index=index,
             text=text,
-            token_ids=list(request.output_token_ids),
+            token_ids=token_ids,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=logprobs,
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
         )
 
 
 def _metrics(children: list[Request]) -> RequestMetrics:
     """The request's times: its first child scheduled and token, its last child finished."""
+    if len(children) == 1:  # the common case, every step: no scans over the children
+        child = children[0]
+        return RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
+                              child.finished_time, child.num_preemptions, child.num_output_tokens)
     first = lambda times: min((t for t in times if t is not None), default=None)  # noqa: E731
     finished = [child.finished_time for child in children]
     return RequestMetrics(

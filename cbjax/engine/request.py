@@ -16,18 +16,19 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # The finished statuses are the last ones; an int compare, not an enum hash (asked of every request every step).
+        return self._value_ >= RequestStatus.FINISHED_STOPPED._value_
 
     @property
     def finish_reason(self) -> str | None:
         """vLLM's finish_reason: "stop" | "length" | "abort", or None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS.get(self._value_)  # by value: an enum member's hash is computed in Python
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED.value: "stop",
+    RequestStatus.FINISHED_LENGTH.value: "length",
+    RequestStatus.FINISHED_ABORTED.value: "abort",
 }
 
 

@@ -14,10 +14,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +85,7 @@ class LaunchedStep:
     result: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class SampledToken:
+class SampledToken(NamedTuple):  # a tuple: one per running request per step
     """One request's result of a step, on the host."""
 
     token_id: int
@@ -156,6 +156,7 @@ class ModelRunner:
         # each request's row in them: the next step reads from there the tokens the host lacks.
         self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
         self._last_sampling_rows: dict[str, int] = {}
+        self.request_seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
         self.compiled: dict[Bucket, Any] = {}
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
@@ -432,24 +433,29 @@ class ModelRunner:
         num_tokens = int(ends[-1])
         row_of_token = np.repeat(np.arange(num_rows), counts)
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - (ends - counts), counts)
+        self._fill_block_tables(attn.block_tables, [row.request.block_ids for row in rows])
         token_ids: list[int] = []
+        placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
+        row_penalty_slots, row_prompt_lens = [NO_SLOT] * num_rows, [0] * num_rows
         for i, row in enumerate(rows):
             request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
-            attn.block_tables[i, : len(request.block_ids)] = request.block_ids
             known = request.all_token_ids[start : start + n]
             token_ids += known
             if len(known) < n:  # the token the previous step samples: taken from its output on the device
-                inputs.token_sources[len(token_ids)] = self._last_sampling_rows[request.request_id]
+                placeholders.append(len(token_ids))
+                sources.append(self._last_sampling_rows[request.request_id])
                 token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
-                inputs.token_penalty_slots[offset : offset + n] = self.penalty_slots.slot(request.request_id)
-                inputs.token_prompt_lens[offset : offset + n] = num_prompt
+                row_penalty_slots[i], row_prompt_lens[i] = self.penalty_slots.slot(request.request_id), num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
                 inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
         inputs.token_ids[:num_tokens] = token_ids
+        inputs.token_sources[placeholders] = sources
+        inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
+        inputs.token_prompt_lens[:num_tokens] = np.repeat(row_prompt_lens, counts)
         inputs.positions[:num_tokens] = positions
         attn.slot_mapping[:num_tokens] = attn.block_tables[row_of_token, positions // bs] * bs + positions % bs
         attn.seq_lens[:num_rows] = starts + counts
@@ -460,6 +466,15 @@ class ModelRunner:
         self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
         return bucket, inputs
 
+    @staticmethod
+    def _fill_block_tables(block_tables: Int[np.ndarray, "reqs width"], block_ids: list[list[int]]) -> None:
+        """Row i starts with block_ids[i]: one scatter, not a numpy write per row."""
+        lengths = np.fromiter(map(len, block_ids), np.int64, len(block_ids))
+        flat = np.fromiter(itertools.chain.from_iterable(block_ids), np.int32, int(lengths.sum()))
+        row_starts = np.cumsum(lengths) - lengths
+        columns = np.arange(flat.size) - np.repeat(row_starts, lengths)
+        block_tables[np.repeat(np.arange(len(block_ids)), lengths), columns] = flat
+
     def _sampling_row(self, request: Any) -> SamplingRow:
         params = request.sampling_params
         # The index of the token sampled now: the scheduler already counts it as a placeholder.
@@ -467,17 +482,16 @@ class ModelRunner:
         suppress: list[int] = []
         if output_index < params.min_tokens:
             suppress = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
-        return SamplingRow(
-            params=params,
-            seed=request_seed(self.config.seed, request.request_id, params.seed),
-            counter=output_index,
-            suppress_token_ids=suppress,
-            penalty_slot=self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT,
-        )
+        seed = self.request_seeds.get(request.request_id)
+        if seed is None:
+            seed = self.request_seeds[request.request_id] = request_seed(self.config.seed, request.request_id, params.seed)
+        penalty_slot = self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT
+        return SamplingRow(params, seed, output_index, suppress, penalty_slot)
 
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""
         self.penalty_slots.release(request_id)
+        self.request_seeds.pop(request_id, None)
 
     def execute(
         self, scheduled: SchedulerOutput
@@ -503,15 +517,14 @@ class ModelRunner:
             result = np.asarray(launched.result)
         out: StepOutputs = unpack_host(result, self._out_layouts[launched.bucket])
         sampled, logprobs = {}, out.sampled.logprobs
-        for i, row in enumerate(r for r in scheduled.scheduled if r.samples):
-            n = row.request.sampling_params.logprobs or 0
-            sampled[row.request.request_id] = SampledToken(
-                token_id=int(out.sampled.token_ids[i]),
-                logprob=float(logprobs.logprobs[i]),
-                rank=int(logprobs.ranks[i]),
-                top_token_ids=logprobs.top_ids[i, :n].tolist(),
-                top_logprobs=logprobs.top_logprobs[i, :n].tolist(),
-            )
+        rows = [r.request for r in scheduled.scheduled if r.samples]
+        # Whole columns to Python at once: per-row numpy indexing cost microseconds a row.
+        token_ids, token_logprobs, ranks = (column[: len(rows)].tolist() for column in
+                                            (out.sampled.token_ids, logprobs.logprobs, logprobs.ranks))
+        for i, request in enumerate(rows):
+            n = request.sampling_params.logprobs
+            top_ids, top_logprobs = ([], []) if not n else (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
+            sampled[request.request_id] = SampledToken(token_ids[i], token_logprobs[i], ranks[i], top_ids, top_logprobs)
         return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt)
 
     @staticmethod

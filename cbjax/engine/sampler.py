@@ -89,8 +89,10 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows_padded: int, su
     params = [row.params for row in rows]
     suppress = np.full((num_rows_padded, suppress_len), -1, np.int32)
     for i, row in enumerate(rows):
-        if row.params.has_penalties and row.penalty_slot == NO_SLOT:
+        if row.penalty_slot == NO_SLOT and row.params.has_penalties:
             raise ValueError(f"row {i} has penalties but no penalty_slot; give it its request's slot")
+        if not row.suppress_token_ids:  # most rows: a numpy row write costs more than the check
+            continue
         if len(row.suppress_token_ids) > suppress_len:
             raise ValueError(f"row {i} suppresses {len(row.suppress_token_ids)} token ids but "
                              f"suppress_len is {suppress_len}; raise suppress_len")

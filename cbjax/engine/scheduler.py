@@ -21,11 +21,13 @@ until another request has computed its prompt (the completions of one prompt, n 
 that it finds that prompt's blocks cached instead of computing them again.
 """
 
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cbjax.engine.block_manager import BlockManager
 from cbjax.engine.request import Request, RequestStatus
@@ -33,8 +35,7 @@ from cbjax.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):  # a tuple: hundreds are made every step
     """Compute tokens start ... start + num_new_tokens - 1 of `request` (the last may be a
     placeholder: the token the previous step samples)."""
 
@@ -49,11 +50,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_request_ids: list[str]
 
-    @property
+    @functools.cached_property
     def num_scheduled_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
-    @property
+    @functools.cached_property
     def is_decode_only(self) -> bool:
         """Every scheduled request adds exactly one token (an empty step is not a decode step)."""
         return bool(self.scheduled) and all(item.num_new_tokens == 1 for item in self.scheduled)
@@ -187,14 +188,17 @@ class Scheduler:
             if num_new_tokens == 0:
                 index += 1
                 continue
-            while not self.block_manager.can_allocate(request, num_new_tokens):
+            # Most steps most requests decode with room in their last block: nothing to allocate or check.
+            needs_blocks = self.block_manager.num_missing_blocks(request, num_new_tokens) > 0
+            while needs_blocks and not self.block_manager.can_allocate(request, num_new_tokens):
                 victim = self.running.pop()  # scheduled requests sit before `index`: never victims
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._allocate(request, num_new_tokens))
+                advance = self._allocate if needs_blocks else self._advance
+                scheduled.append(advance(request, num_new_tokens))
                 token_budget -= num_new_tokens
                 num_prefills += num_new_tokens > 1
                 index += 1
@@ -262,6 +266,10 @@ class Scheduler:
 
     def _allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> ScheduledRequest:
         self.block_manager.allocate(request, num_new_tokens, computed_blocks)
+        return self._advance(request, num_new_tokens)
+
+    def _advance(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Count `num_new_tokens` of `request` as computed by this step (its blocks already hold them)."""
         start = request.num_computed_tokens
         samples = start + num_new_tokens == request.num_tokens + request.num_output_placeholders
         request.num_computed_tokens += num_new_tokens

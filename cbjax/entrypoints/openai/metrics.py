@@ -108,7 +108,7 @@ class PrometheusStatLogger:
 
     def _record_request(self, output: RequestOutput, now: float) -> None:
         progress = self.progress.setdefault(output.request_id, _Progress())
-        num_output_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        num_output_tokens = output.metrics.num_generation_tokens  # so far, whatever the output kind shows
         new_tokens = num_output_tokens - progress.num_output_tokens
         if new_tokens > 0:
             if progress.num_output_tokens == 0:  # the prompt is computed: its first token is out

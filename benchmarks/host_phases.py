@@ -1,0 +1,73 @@
+"""Where the host's CPU goes per step against the stand-in device, by phase, at two max_model_lens.
+
+    python -m benchmarks.host_phases --num-running 256 --variant greedy --output-kind final_only
+
+Wraps the engine's own methods (schedule, prepare, launch, collect, update, process_token, the
+whole step) to add up the process's CPU time in each, over the steps of --repeats runs alternating
+between one stand-in engine per max_model_len (`cbjax bench host`'s). The phases nest (launch and
+prepare are inside step; process_token inside step's recording), so they do not add up to step;
+what step has beyond them is the rest of the loop (the engine's bookkeeping, outputs). The wrappers
+cost some CPU of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any
+
+from cbjax.bench.common import print_table
+from cbjax.bench.host import add_host_parser, build_standin_engine, run_host
+
+PHASES = {"scheduler": ["schedule", "update"], "runner": ["prepare", "launch", "collect"],
+          "output_processor": ["process_token", "make_output"], "engine": ["step"]}
+
+
+def time_phases(engine: Any, cpu: dict[str, float]) -> None:
+    """Make each phase's method add its process CPU time to cpu[name]."""
+    for owner, names in PHASES.items():
+        target = engine if owner == "engine" else getattr(engine, owner)
+        for name in names:
+            method = getattr(target, name)
+
+            def timed(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+                start = time.process_time()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    cpu[_name] += time.process_time() - start
+
+            setattr(target, name, timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--num-running", type=int, default=256)
+    p.add_argument("--variant", default="greedy")
+    p.add_argument("--output-kind", default="final_only")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    host_parser = argparse.ArgumentParser()
+    add_host_parser(host_parser.add_subparsers())
+    host_args = host_parser.parse_args(["host", "--model", args.model, "--num-running", str(args.num_running)])
+    engines = {length: build_standin_engine(host_args, length) for length in args.lengths}
+    cpu = {length: collections.defaultdict(float) for length in args.lengths}
+    num_steps = collections.Counter()
+    for length, (engine, timeline) in engines.items():
+        run_host(engine, timeline, 16, host_args.prompt_len, host_args.output_len, args.variant, 0.0)  # warm-up
+        time_phases(engine, cpu[length])
+    for repeat in range(args.repeats):
+        for length, (engine, timeline) in (list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]):
+            run = run_host(engine, timeline, args.num_running, host_args.prompt_len, host_args.output_len,
+                           args.variant, 0.0, "on", args.output_kind)
+            num_steps[length] += run["num_steps"]
+    phases = [name for names in PHASES.values() for name in names]
+    print_table([{"max_model_len": length} | {f"{name}_ms": cpu[length][name] / num_steps[length] * 1e3 for name in phases}
+                 for length in args.lengths], ["max_model_len", *(f"{name}_ms" for name in phases)])
+
+
+if __name__ == "__main__":
+    main()
