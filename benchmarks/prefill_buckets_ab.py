@@ -1,0 +1,161 @@
+"""Mixed-step token buckets at powers of two only (old) against powers of two plus midpoints (new).
+
+    python -m benchmarks.prefill_buckets_ab --model checkpoints/smollm2-135m-instruct \
+        --parts serve prefix throughput --result-json bench_results/prefill_buckets_ab.json
+
+For each engine shape, both bucket sets are built in this process (the old one by setting
+buckets.MIDPOINTS_FROM out of reach while its engine is made) and run on the same requests,
+alternating old, new, new, old, ... so both see the same machine load. Parts:
+- serve: `cbjax bench serve`'s in-process workload (16 seqs, max model len 1024, 512 batched tokens,
+  32 Poisson requests of 128 +-50% prompt and output tokens) at each --rates: median TTFT, median
+  prefill (first scheduled -> first token, vLLM's request_prefill_time), output tok/s, median ITL.
+- prefix: BENCHMARKS section 12's shared-prefix shape (4 prefixes of 512 +-50%, questions of 32,
+  outputs of 64, 32 requests, 16 seqs, 256 batched tokens), all queued at 0: output tok/s, mean TTFT.
+- throughput: `cbjax bench throughput` shapes, 16 and 64 seqs x short (128) and long (512) prompts.
+Prints and writes one JSON object: every run, the medians and new/old ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import cbjax.engine.buckets as buckets
+from cbjax.bench.common import warm_up
+from cbjax.bench.dataset import arrival_offsets, prefix_requests, random_requests
+from cbjax.bench.metrics import serving_metrics
+from cbjax.bench.recorder import StepRecorder
+from cbjax.bench.serve import run_serve
+from cbjax.bench.throughput import run_throughput
+from cbjax.engine.config import EngineConfig
+from cbjax.engine.engine import LLMEngine
+
+VARIANTS = ("powers", "midpoints")
+
+
+def build(model: str, variant: str, **options: Any) -> StepRecorder:
+    default = buckets.MIDPOINTS_FROM
+    buckets.MIDPOINTS_FROM = 1 << 62 if variant == "powers" else default
+    try:
+        engine = LLMEngine(
+            EngineConfig(model=model, max_model_len=1024, compilation_cache_dir=".jax_cache",
+                         kv_cache_memory_bytes=1 << 30, **options),
+            progress=False,
+        )
+    finally:
+        buckets.MIDPOINTS_FROM = default
+    recorder = StepRecorder(engine)
+    warm_up(recorder)
+    return recorder
+
+
+def prompt_step_stats(recorder: StepRecorder) -> dict[str, float]:
+    """Steps that carried a prompt chunk: how full their buckets were and how long they took. With async
+    scheduling a step's result is read by the next engine step, so that one's wall time is its time."""
+    records = recorder.records
+    waits = {id(r): after.end - after.start for r, after in zip(records, records[1:])}
+    mixed = [r for r in records[:-1] if r.kind == "mixed"]
+    if not mixed:
+        return {}
+    return {
+        "prompt_steps": len(mixed),
+        "prompt_step_fill": sum(r.scheduled_tokens for r in mixed) / sum(r.bucket_tokens for r in mixed),
+        "prompt_step_median_ms": 1000 * statistics.median(waits[id(r)] for r in mixed),
+        "prompt_step_time_s": sum(waits[id(r)] for r in mixed),
+    }
+
+
+def serve_run(recorder: StepRecorder, rate: float, num_prompts: int, label: str) -> dict[str, float]:
+    engine = recorder.engine
+    requests = random_requests(num_prompts, 128, 128, 0.5, engine.model_config.vocab_size, 0)
+    prefill: list[float] = []
+    step = recorder.step
+
+    def step_collecting_prefill() -> list[Any]:
+        outputs = step()
+        prefill.extend(o.metrics.first_token_time - o.metrics.first_scheduled_time for o in outputs if o.finished)
+        return outputs
+
+    recorder.step = step_collecting_prefill
+    try:
+        timelines, duration = run_serve(recorder, requests, arrival_offsets(num_prompts, rate, 1.0, 0), label=label)
+    finally:
+        del recorder.step
+    metrics = serving_metrics(timelines, duration, (50,))
+    return {
+        "median_ttft_ms": metrics["median_ttft_ms"],
+        "median_prefill_ms": 1000 * statistics.median(prefill),
+        "mean_prefill_ms": 1000 * statistics.mean(prefill),
+        "output_throughput": metrics["output_throughput"],
+        "median_itl_ms": metrics["median_itl_ms"],
+        **prompt_step_stats(recorder),
+    }
+
+
+def throughput_run(recorder: StepRecorder, requests: list, label: str) -> dict[str, float]:
+    result = run_throughput(recorder, requests, "continuous", label=label)
+    return {key: result[key] for key in ("output_throughput", "mean_ttft_ms", "num_steps")} | prompt_step_stats(recorder)
+
+
+def alternate(recorders: dict[str, StepRecorder], run: Callable[[StepRecorder, str], dict], rounds: int) -> dict:
+    """Run both variants `rounds` times each (old new, new old, ...); every run, medians, new/old ratios."""
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for i in range(rounds):
+        for variant in VARIANTS if i % 2 == 0 else reversed(VARIANTS):
+            runs[variant].append(run(recorders[variant], f"{variant}-{i}"))
+            print(variant, i, json.dumps(runs[variant][-1]), flush=True)
+    medians = {v: {k: statistics.median(r[k] for r in runs[v]) for k in runs[v][0]} for v in VARIANTS}
+    ratios = {k: medians["midpoints"][k] / medians["powers"][k] for k in medians["powers"] if medians["powers"][k]}
+    pairs = {k: [n[k] / o[k] for o, n in zip(runs["powers"], runs["midpoints"]) if o[k]] for k in medians["powers"]}
+    return {"runs": runs, "medians": medians, "midpoints_over_powers": ratios, "pair_ratios": pairs}
+
+
+def part_shapes(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[StepRecorder, str], dict]]]:
+    vocab = 49152
+    shapes = []
+    if "serve" in args.parts:
+        for rate in args.rates:
+            shapes.append((f"serve_rate{rate:g}", dict(max_num_seqs=16, max_num_batched_tokens=512),
+                           lambda rec, label, rate=rate: serve_run(rec, rate, args.num_prompts, label)))
+    if "prefix" in args.parts:
+        requests = prefix_requests(32, 4, 512, 32, 64, 0.5, vocab, 0)
+        shapes.append(("prefix_4x512_seqs16_tokens256", dict(max_num_seqs=16, max_num_batched_tokens=256),
+                       lambda rec, label: (rec.engine.reset_prefix_cache(), throughput_run(rec, requests, label))[1]))
+    if "throughput" in args.parts:
+        for seqs, prompts in ((16, 32), (64, 64)):
+            for name, input_len, output_len in (("short", 128, 64), ("long", 512, 32)):
+                requests = random_requests(prompts, input_len, output_len, 0.5, vocab, 0)
+                shapes.append((f"throughput_seqs{seqs}_{name}", dict(max_num_seqs=seqs, max_num_batched_tokens=512),
+                               lambda rec, label, requests=requests: throughput_run(rec, requests, label)))
+    return shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--parts", nargs="+", default=["serve", "prefix", "throughput"], choices=["serve", "prefix", "throughput"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[2.0, 4.0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--result-json", default=None)
+    args = parser.parse_args()
+    results = {}
+    built: dict[tuple, dict[str, StepRecorder]] = {}
+    for name, options, run in part_shapes(args):
+        key = tuple(sorted(options.items()))
+        if key not in built:
+            built.clear()  # one engine pair at a time
+            built[key] = {v: build(args.model, v, **options) for v in VARIANTS}
+        print("==", name, flush=True)
+        results[name] = alternate(built[key], run, args.rounds)
+        print(name, "medians", json.dumps(results[name]["medians"]), "ratios", json.dumps(results[name]["midpoints_over_powers"]), flush=True)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
