@@ -9,6 +9,8 @@ alternating old, new, new, old, ... so both see the same machine load. Parts:
 - serve: `cbjax bench serve`'s in-process workload (16 seqs, max model len 1024, 512 batched tokens,
   32 Poisson requests of 128 +-50% prompt and output tokens) at each --rates: median TTFT, median
   prefill (first scheduled -> first token, vLLM's request_prefill_time), output tok/s, median ITL.
+- prefill: issue 12's prompt step alone: 15 requests decoding, then one prompt of each --prompt-lens
+  arrives (no cache hit); its TTFT in process (add -> first token) and the step that carried it.
 - prefix: BENCHMARKS section 12's shared-prefix shape (4 prefixes of 512 +-50%, questions of 32,
   outputs of 64, 32 requests, 16 seqs, 256 batched tokens), all queued at 0: output tok/s, mean TTFT.
 - throughput: `cbjax bench throughput` shapes, 16 and 64 seqs x short (128) and long (512) prompts.
@@ -18,8 +20,10 @@ Prints and writes one JSON object: every run, the medians and new/old ratios.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +36,10 @@ from cbjax.bench.serve import run_serve
 from cbjax.bench.throughput import run_throughput
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.engine import LLMEngine
+from cbjax.sampling_params import SamplingParams
 
 VARIANTS = ("powers", "midpoints")
+SEEDS = itertools.count(1000)  # every prompt of a run its own tokens: no prefix cache hits
 
 
 def build(model: str, variant: str, **options: Any) -> StepRecorder:
@@ -95,6 +101,35 @@ def serve_run(recorder: StepRecorder, rate: float, num_prompts: int, label: str)
     }
 
 
+def prefill_run(recorder: StepRecorder, prompt_lens: list[int], label: str) -> dict[str, float]:
+    """TTFT of one arriving prompt of each length beside 15 decoding requests (the serving profile's
+    typical prompt step), the median over the lengths and each length's."""
+    engine = recorder.engine
+    vocab = engine.model_config.vocab_size
+    background = [f"{label}-decoding-{i}" for i in range(15)]
+    for i, request in enumerate(random_requests(len(background), 32, 1, 0.0, vocab, seed=next(SEEDS))):
+        engine.add_request(background[i], {"prompt_token_ids": request.prompt_token_ids},
+                           SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
+    decoding: set[str] = set()
+    while len(decoding) < len(background):
+        decoding |= {o.request_id for o in recorder.step() if o.outputs[0].token_ids}
+    ttfts = {}
+    for n, prompt_len in enumerate(prompt_lens):
+        (request,) = random_requests(1, prompt_len, 1, 0.0, vocab, seed=next(SEEDS))
+        request_id = f"{label}-prompt-{n}"
+        start = time.perf_counter()
+        engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids},
+                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        while not any(o.request_id == request_id and o.outputs[0].token_ids for o in recorder.step()):
+            pass
+        ttfts[f"ttft_ms_{prompt_len}"] = 1000 * (time.perf_counter() - start)
+    for request_id in background:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        recorder.step()
+    return {"median_ttft_ms": statistics.median(ttfts.values()), **ttfts}
+
+
 def throughput_run(recorder: StepRecorder, requests: list, label: str) -> dict[str, float]:
     result = run_throughput(recorder, requests, "continuous", label=label)
     return {key: result[key] for key in ("output_throughput", "mean_ttft_ms", "num_steps")} | prompt_step_stats(recorder)
@@ -116,6 +151,9 @@ def alternate(recorders: dict[str, StepRecorder], run: Callable[[StepRecorder, s
 def part_shapes(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[StepRecorder, str], dict]]]:
     vocab = 49152
     shapes = []
+    if "prefill" in args.parts:
+        shapes.append(("prefill_beside_15_decodes", dict(max_num_seqs=16, max_num_batched_tokens=512),
+                       lambda rec, label: prefill_run(rec, args.prompt_lens, label)))
     if "serve" in args.parts:
         for rate in args.rates:
             shapes.append((f"serve_rate{rate:g}", dict(max_num_seqs=16, max_num_batched_tokens=512),
@@ -136,7 +174,9 @@ def part_shapes(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[Ste
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    parser.add_argument("--parts", nargs="+", default=["serve", "prefix", "throughput"], choices=["serve", "prefix", "throughput"])
+    parts = ["prefill", "serve", "prefix", "throughput"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=[64, 80, 100, 120, 140, 160, 180, 200])
     parser.add_argument("--rates", nargs="+", type=float, default=[2.0, 4.0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
