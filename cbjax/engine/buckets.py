@@ -78,7 +78,7 @@ def step_shapes(buckets: list[Bucket], decode_runs_as_mixed: bool) -> dict[Bucke
     With an attention that runs a decode-only step exactly as a mixed one (the C++ CPU kernel),
     a decode bucket and a mixed bucket of the same (tokens, requests) lower to the same program:
     it is compiled, loaded from the cache and warmed up once (the default 64-sequence, 512-token
-    set has 3 such pairs among its 12 buckets).
+    set has 3 such pairs among its 13 buckets).
     """
     first: dict[object, Bucket] = {}
     return {
