@@ -131,8 +131,10 @@ def prefill_run(recorder: StepRecorder, prompt_lens: list[int], label: str) -> d
 
 
 def throughput_run(recorder: StepRecorder, requests: list, label: str) -> dict[str, float]:
+    recorder.engine.reset_prefix_cache()  # every round computes its prompts, as the first did
     result = run_throughput(recorder, requests, "continuous", label=label)
-    return {key: result[key] for key in ("output_throughput", "mean_ttft_ms", "num_steps")} | prompt_step_stats(recorder)
+    keys = ("output_throughput", "mean_ttft_ms", "num_steps", "prefix_cache_hit_rate")
+    return {key: result[key] for key in keys} | prompt_step_stats(recorder)
 
 
 def alternate(recorders: dict[str, StepRecorder], run: Callable[[StepRecorder, str], dict], rounds: int) -> dict:
@@ -161,7 +163,7 @@ def part_shapes(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[Ste
     if "prefix" in args.parts:
         requests = prefix_requests(32, 4, 512, 32, 64, 0.5, vocab, 0)
         shapes.append(("prefix_4x512_seqs16_tokens256", dict(max_num_seqs=16, max_num_batched_tokens=256),
-                       lambda rec, label: (rec.engine.reset_prefix_cache(), throughput_run(rec, requests, label))[1]))
+                       lambda rec, label: throughput_run(rec, requests, label)))
     if "throughput" in args.parts:
         for seqs, prompts in ((16, 32), (64, 64)):
             for name, input_len, output_len in (("short", 128, 64), ("long", 512, 32)):
