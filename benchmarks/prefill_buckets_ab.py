@@ -86,6 +86,7 @@ def serve_run(recorder: StepRecorder, rate: float, num_prompts: int, label: str)
         return outputs
 
     recorder.step = step_collecting_prefill
+    engine.reset_prefix_cache()  # every round computes its prompts, as the first did
     try:
         timelines, duration = run_serve(recorder, requests, arrival_offsets(num_prompts, rate, 1.0, 0), label=label)
     finally:
