@@ -194,7 +194,8 @@ def main() -> None:
             built[key] = {v: build(args.model, v, **options) for v in VARIANTS}
         print("==", name, flush=True)
         results[name] = alternate(built[key], run, args.rounds)
-        print(name, "medians", json.dumps(results[name]["medians"]), "ratios", json.dumps(results[name]["midpoints_over_powers"]), flush=True)
+        print(name, "medians", json.dumps(results[name]["medians"]), flush=True)
+        print(name, "midpoints / powers", json.dumps(results[name]["midpoints_over_powers"]), flush=True)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(results, f, indent=1)
