@@ -96,6 +96,21 @@ def test_whole_prompt_prefill_without_chunking(tiny, expected):
     unchunked = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(enable_chunked_prefill=False, max_num_batched_tokens=128)))
     outs = unchunked.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+    # The 17- and 70-token prompts together (87 tokens) run in the 96-token bucket, the midpoint of
+    # 64 and 128: its 9 padded rows change nothing.
+    runner = unchunked.llm_engine.runner
+    prepare, buckets_used = runner.prepare, []
+
+    def recording_prepare(scheduled):
+        bucket, inputs = prepare(scheduled)
+        buckets_used.append(bucket)
+        return bucket, inputs
+
+    runner.prepare = recording_prepare
+    unchunked.reset_prefix_cache()  # or both prompts would find all but a few tokens cached
+    outs = unchunked.generate(token_prompts([prompts[4], prompts[6]]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[4], want[6]]
+    assert buckets_used[0].num_tokens == 96
 
 
 def test_float16_kv_cache_serves_with_half_the_pool_bytes(tiny, expected):

@@ -9,6 +9,14 @@ import dataclasses
 # 22 ms at 2), so a lone request runs in a two-row step with one padding row.
 MIN_ROWS = 2
 
+# From this many tokens up, mixed buckets also come at 1.5x each power of two (96, 192, 384, ...).
+# There a step's time grows with its rows, padded or real alike (SmolLM2, 16 seqs, CPU: 64 -> 512
+# rows ran 366 -> 2157 ms), and the typical prompt step (a prompt of 64-192 tokens beside the
+# running decodes) landed just above a power of two: a median of 173 tokens in a 256-token bucket
+# (BENCHMARKS.md section 9). With the midpoints a step pads at most a third of its rows instead of
+# a half, for one more compile per octave (3 at the default 512 tokens).
+MIDPOINTS_FROM = 64
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Bucket:
@@ -28,6 +36,14 @@ def powers_of_two(start: int, limit: int) -> list[int]:
     return sizes + [limit]
 
 
+def mixed_token_sizes(start: int, limit: int) -> list[int]:
+    """powers_of_two(start, limit) and, from MIDPOINTS_FROM up, the midpoint of each doubling in it
+    (a last step to a limit that is not a doubling gets none: it is already a finer step)."""
+    sizes = powers_of_two(start, limit)
+    midpoints = [low * 3 // 2 for low, high in zip(sizes, sizes[1:]) if low >= MIDPOINTS_FROM and high == 2 * low]
+    return sorted(sizes + midpoints)
+
+
 def compute_buckets(
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -42,14 +58,15 @@ def compute_buckets(
     tokens): a mixed step's padded request rows are nearly free (one-token requests
     run through the decode path, which skips empty rows' work: a 256-token prompt
     alone ran 164 ms in an 8-row and 166 ms in a 32-row bucket), while every bucket
-    costs several seconds of compiling at start-up. No bucket has fewer than MIN_ROWS rows.
+    costs several seconds of compiling at start-up. Token counts are powers of two, with
+    midpoints from MIDPOINTS_FROM up. No bucket has fewer than MIN_ROWS rows.
     """
     first_reqs = max(MIN_ROWS, min(min_decode_reqs, max_num_seqs))
     req_sizes = powers_of_two(first_reqs, max(max_num_seqs, first_reqs))
     decode = [Bucket("decode", n, n) for n in req_sizes]
     first_tokens = max(MIN_ROWS, min(min_mixed_tokens, max_num_batched_tokens))
     mixed = []
-    for num_tokens in powers_of_two(first_tokens, max(max_num_batched_tokens, first_tokens)):
+    for num_tokens in mixed_token_sizes(first_tokens, max(max_num_batched_tokens, first_tokens)):
         feasible = [r for r in req_sizes if r <= num_tokens] or [max(MIN_ROWS, min(num_tokens, max_num_seqs))]
         mixed.append(Bucket("mixed", num_tokens, feasible[-1]))
     return decode + mixed
@@ -61,7 +78,7 @@ def step_shapes(buckets: list[Bucket], decode_runs_as_mixed: bool) -> dict[Bucke
     With an attention that runs a decode-only step exactly as a mixed one (the C++ CPU kernel),
     a decode bucket and a mixed bucket of the same (tokens, requests) lower to the same program:
     it is compiled, loaded from the cache and warmed up once (the default 64-sequence, 512-token
-    set has 3 such pairs among its 10 buckets).
+    set has 3 such pairs among its 13 buckets).
     """
     first: dict[object, Bucket] = {}
     return {
