@@ -3,8 +3,8 @@
     python -m benchmarks.prefill_buckets_ab --model checkpoints/smollm2-135m-instruct \
         --parts serve prefix throughput --result-json bench_results/prefill_buckets_ab.json
 
-For each engine shape, both bucket sets are built in this process (the old one by setting
-buckets.MIDPOINTS_FROM out of reach while its engine is made) and run on the same requests,
+For each engine shape, both bucket sets are built in this process (EngineConfig's
+prompt_bucket_midpoints off and on) and run on the same requests,
 alternating old, new, new, old, ... so both see the same machine load. Parts:
 - serve: `cbjax bench serve`'s in-process workload (16 seqs, max model len 1024, 512 batched tokens,
   32 Poisson requests of 128 +-50% prompt and output tokens) at each --rates: median TTFT, median
@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import cbjax.engine.buckets as buckets
 from cbjax.bench.common import warm_up
 from cbjax.bench.dataset import arrival_offsets, prefix_requests, random_requests
 from cbjax.bench.metrics import serving_metrics
@@ -43,16 +42,11 @@ SEEDS = itertools.count(1000)  # every prompt of a run its own tokens: no prefix
 
 
 def build(model: str, variant: str, **options: Any) -> StepRecorder:
-    default = buckets.MIDPOINTS_FROM
-    buckets.MIDPOINTS_FROM = 1 << 62 if variant == "powers" else default
-    try:
-        engine = LLMEngine(
-            EngineConfig(model=model, max_model_len=1024, compilation_cache_dir=".jax_cache",
-                         kv_cache_memory_bytes=1 << 30, **options),
-            progress=False,
-        )
-    finally:
-        buckets.MIDPOINTS_FROM = default
+    engine = LLMEngine(
+        EngineConfig(model=model, max_model_len=1024, compilation_cache_dir=".jax_cache",
+                     kv_cache_memory_bytes=1 << 30, prompt_bucket_midpoints=variant == "midpoints", **options),
+        progress=False,
+    )
     recorder = StepRecorder(engine)
     warm_up(recorder)
     return recorder

@@ -93,11 +93,12 @@ def test_preempted_requests_resume_identically(tiny, expected):
 
 def test_whole_prompt_prefill_without_chunking(tiny, expected):
     prompts, want = expected
-    unchunked = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(enable_chunked_prefill=False, max_num_batched_tokens=128)))
+    unchunked = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(
+        enable_chunked_prefill=False, max_num_batched_tokens=128, prompt_bucket_midpoints=True)))
     outs = unchunked.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    # The 17- and 70-token prompts together (87 tokens) run in the 96-token bucket, the midpoint of
-    # 64 and 128: its 9 padded rows change nothing.
+    # The 17- and 70-token prompts together (87 tokens) run in the 96-token bucket (with
+    # prompt_bucket_midpoints), the midpoint of 64 and 128: its 9 padded rows change nothing.
     runner = unchunked.llm_engine.runner
     prepare, buckets_used = runner.prepare, []
 

@@ -23,7 +23,7 @@ def test_buckets_cover_every_step_and_prune_infeasible_pairs():
     decode = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "decode"]
     mixed = [(b.num_tokens, b.num_reqs) for b in buckets if b.kind == "mixed"]
     assert decode == [(8, 8), (16, 16), (32, 32), (64, 64)]
-    assert mixed == [(16, 16), (32, 32), (64, 64), (96, 64), (128, 64), (192, 64), (256, 64), (384, 64), (512, 64)]
+    assert mixed == [(16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64)]
     assert all(b.num_reqs <= b.num_tokens for b in buckets)
     # Limits that are not powers of two are buckets themselves, so the largest step always fits.
     odd = compute_buckets(max_num_seqs=12, max_num_batched_tokens=100)
@@ -40,7 +40,7 @@ def test_decode_and_mixed_buckets_of_one_shape_share_an_executable_where_attenti
     shared = step_shapes(buckets, decode_runs_as_mixed=True)
     # Hand-worked: decode 16/32/64 rows have the shapes of the mixed 16/32/64-token buckets.
     assert sorted({(b.num_tokens, b.num_reqs) for b in shared.values()}) == [
-        (8, 8), (16, 16), (32, 32), (64, 64), (96, 64), (128, 64), (192, 64), (256, 64), (384, 64), (512, 64)
+        (8, 8), (16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64)
     ]
     for n in (16, 32, 64):
         assert shared[Bucket("mixed", n, n)] == shared[Bucket("decode", n, n)] == Bucket("decode", n, n)
@@ -51,14 +51,10 @@ def test_decode_and_mixed_buckets_of_one_shape_share_an_executable_where_attenti
 
 def test_one_request_needs_the_buckets_of_its_prompt_chunks_and_of_decoding():
     buckets = compute_buckets(max_num_seqs=1, max_num_batched_tokens=128)  # `cbjax generate`'s engine
-    assert [(b.kind, b.num_tokens) for b in buckets] == [
-        ("decode", 2), ("mixed", 16), ("mixed", 32), ("mixed", 64), ("mixed", 96), ("mixed", 128)
-    ]
-    # Hand-worked: a 40-token prompt is one chunk (64-token bucket); 300 tokens are 128 + 128 + 44 (64);
-    # 90 tokens are one chunk in the 96-token bucket.
+    assert [(b.kind, b.num_tokens) for b in buckets] == [("decode", 2), ("mixed", 16), ("mixed", 32), ("mixed", 64), ("mixed", 128)]
+    # Hand-worked: a 40-token prompt is one chunk (64-token bucket); 300 tokens are 128 + 128 + 44 (64).
     assert one_request_buckets(buckets, 40, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2)]
     assert one_request_buckets(buckets, 300, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 64, 2), Bucket("mixed", 128, 2)]
-    assert one_request_buckets(buckets, 90, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 96, 2)]
     # A one-token last chunk (129 = 128 + 1) is a decode-only step.
     assert one_request_buckets(buckets, 129, 128) == [Bucket("decode", 2, 2), Bucket("mixed", 128, 2)]
 
@@ -87,8 +83,10 @@ def test_mixed_token_sizes_add_the_midpoint_of_each_doubling_from_64_tokens():
 
 
 def test_a_prompt_step_pads_at_most_a_third_of_its_rows_from_64_tokens():
-    """The section 9 profile's typical prompt step (173 tokens) ran in a 256-token bucket; now in 192."""
-    buckets = compute_buckets(max_num_seqs=16, max_num_batched_tokens=512)
+    """The section 9 profile's typical prompt step (173 tokens) ran in a 256-token bucket; with the
+    midpoints in 192. Without them (the default) the buckets are powers of two."""
+    assert [b.num_tokens for b in compute_buckets(16, 512) if b.kind == "mixed"] == [16, 32, 64, 128, 256, 512]
+    buckets = compute_buckets(max_num_seqs=16, max_num_batched_tokens=512, midpoints=True)
     assert pick_bucket(buckets, "mixed", 173, 16) == Bucket("mixed", 192, 16)
     for num_tokens in range(65, 513):
         chosen = pick_bucket(buckets, "mixed", num_tokens, 16).num_tokens
@@ -99,7 +97,7 @@ def test_pick_bucket_takes_the_smallest_that_fits_and_explains_a_miss():
     buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
     assert pick_bucket(buckets, "decode", 9, 9) == Bucket("decode", 16, 16)
     assert pick_bucket(buckets, "mixed", 100, 3) == Bucket("mixed", 128, 64)
-    assert pick_bucket(buckets, "mixed", 90, 3) == Bucket("mixed", 96, 64)
+    assert pick_bucket(buckets, "mixed", 90, 3) == Bucket("mixed", 128, 64)
     assert pick_bucket(buckets, "mixed", 9, 9) == Bucket("mixed", 16, 16)
     with pytest.raises(ValueError, match="no mixed bucket holds 513 tokens"):
         pick_bucket(buckets, "mixed", 513, 1)

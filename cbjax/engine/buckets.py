@@ -9,12 +9,16 @@ import dataclasses
 # 22 ms at 2), so a lone request runs in a two-row step with one padding row.
 MIN_ROWS = 2
 
-# From this many tokens up, mixed buckets also come at 1.5x each power of two (96, 192, 384, ...).
+# With prompt_bucket_midpoints, mixed buckets also come at 1.5x each power of two from this many
+# tokens up (96, 192, 384, ...).
 # There a step's time grows with its rows, padded or real alike (SmolLM2, 16 seqs, CPU: 64 -> 512
 # rows ran 366 -> 2157 ms), and the typical prompt step (a prompt of 64-192 tokens beside the
 # running decodes) landed just above a power of two: a median of 173 tokens in a 256-token bucket
 # (BENCHMARKS.md section 9). With the midpoints a step pads at most a third of its rows instead of
-# a half, for one more compile per octave (3 at the default 512 tokens).
+# a half, for one more compile per octave (3 at the default 512 tokens). Off by default: those 3
+# compiles and warm-up runs made a warm LLM() 1.46x slower and a cold one 1.43x (BENCHMARKS.md
+# section 9), which costs more than it saves for offline batches, whose prompt steps fill their
+# buckets anyway; a server that starts once and answers prompts beside running decodes gains.
 MIDPOINTS_FROM = 64
 
 
@@ -50,6 +54,7 @@ def compute_buckets(
     *,
     min_decode_reqs: int = 8,
     min_mixed_tokens: int = 16,
+    midpoints: bool = False,
 ) -> list[Bucket]:
     """All step shapes compiled at start-up.
 
@@ -59,14 +64,15 @@ def compute_buckets(
     run through the decode path, which skips empty rows' work: a 256-token prompt
     alone ran 164 ms in an 8-row and 166 ms in a 32-row bucket), while every bucket
     costs several seconds of compiling at start-up. Token counts are powers of two, with
-    midpoints from MIDPOINTS_FROM up. No bucket has fewer than MIN_ROWS rows.
+    `midpoints`, also the midpoints from MIDPOINTS_FROM up. No bucket has fewer than MIN_ROWS rows.
     """
     first_reqs = max(MIN_ROWS, min(min_decode_reqs, max_num_seqs))
     req_sizes = powers_of_two(first_reqs, max(max_num_seqs, first_reqs))
     decode = [Bucket("decode", n, n) for n in req_sizes]
     first_tokens = max(MIN_ROWS, min(min_mixed_tokens, max_num_batched_tokens))
     mixed = []
-    for num_tokens in mixed_token_sizes(first_tokens, max(max_num_batched_tokens, first_tokens)):
+    token_sizes = mixed_token_sizes if midpoints else powers_of_two
+    for num_tokens in token_sizes(first_tokens, max(max_num_batched_tokens, first_tokens)):
         feasible = [r for r in req_sizes if r <= num_tokens] or [max(MIN_ROWS, min(num_tokens, max_num_seqs))]
         mixed.append(Bucket("mixed", num_tokens, feasible[-1]))
     return decode + mixed
@@ -78,7 +84,7 @@ def step_shapes(buckets: list[Bucket], decode_runs_as_mixed: bool) -> dict[Bucke
     With an attention that runs a decode-only step exactly as a mixed one (the C++ CPU kernel),
     a decode bucket and a mixed bucket of the same (tokens, requests) lower to the same program:
     it is compiled, loaded from the cache and warmed up once (the default 64-sequence, 512-token
-    set has 3 such pairs among its 13 buckets).
+    set has 3 such pairs among its 10 buckets).
     """
     first: dict[object, Bucket] = {}
     return {

@@ -151,7 +151,8 @@ class ModelRunner:
         self.weights, self._state_treedef, self.kv_caches, self.penalty_state = self._device_state(state, init_pool)
         self.penalty_slots = PenaltySlots(config.max_num_seqs)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
-        self.buckets = compute_buckets(config.max_num_seqs, config.max_num_batched_tokens)
+        self.buckets = compute_buckets(
+            config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints)
         # The latest step's sampled tokens, kept on the device (padded to the widest bucket), and
         # each request's row in them: the next step reads from there the tokens the host lacks.
         self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
