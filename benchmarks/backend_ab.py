@@ -20,7 +20,7 @@ import json
 import pathlib
 import statistics
 
-from cbjax.bench.dataset import random_requests
+from cbjax.bench.common import add_dataset_args, synthetic_requests
 from cbjax.bench.peers import drive_engine
 from cbjax.cli_args import add_engine_args, engine_options
 from cbjax.engine.config import EngineConfig
@@ -33,11 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(parser)
     parser.add_argument("--backends", nargs="+", default=["xla", "cpp"])
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=None, help="default: --tensor-parallel-size")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.75)
-    parser.add_argument("--dataset-seed", type=int, default=0)
+    add_dataset_args(parser)
+    parser.set_defaults(input_len=64, output_len=64, range_ratio=0.75)  # section 6's peers workload
     parser.add_argument("--rounds", type=int, default=4, help="the first is a warm-up, left out of the medians")
     parser.add_argument("--result-json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = next(iter(engines.values())).model_config.vocab_size
     requests = [
         {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
-        for r in random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.dataset_seed)
+        for r in synthetic_requests(args, vocab)
     ]
     num_output = sum(r["output_len"] for r in requests)
 
