@@ -119,7 +119,7 @@ def dead_worker_run(checkpoint) -> dict:
         read_line(leader, "RESULT ", 240)
         time.sleep(0.5)  # into the next generate call, whose steps run back to back
         death = kill_and_wait(worker, leader)
-        message = read_line(leader, "PEER_LOST ", 1) if leader.poll() is not None else ""
+        message = read_line(leader, "PEER_LOST ", 1) if death["returncode"] == PEER_LOST_EXIT_STATUS else ""
         return {**death, "message": message, "stderr": leader.stderr.read()[-4000:] if leader.poll() is not None else ""}
     finally:
         stop(leader, worker)
@@ -138,13 +138,20 @@ def test_pool_spans_both_processes_devices(run):
     assert sorted({d.split(":")[0] for d in run["pool_devices"]}) == ["0", "1"] and len(run["pool_devices"]) == 4
 
 
+def ended_by_jax_distributed(returncode: int | None, stderr: str) -> bool:
+    """Whether jax.distributed noticed the dead peer before a step's collectives did (a race, seen
+    in CI both ways round: its error poll or heartbeats win under load): then jax's own message
+    ends the process with SIGABRT (engine/multihost.py's docstring)."""
+    if returncode != -signal.SIGABRT:
+        return False
+    assert "JAX distributed service detected fatal errors" in stderr and "another task died" in stderr, stderr
+    return True
+
+
 def test_worker_whose_leader_dies_exits_with_clear_error_in_bounded_time(run):
     assert run["worker_exit_s"] < DEAD_PEER_BOUND_S
     stderr = run["worker_stderr"]
-    if run["worker_returncode"] == -signal.SIGABRT:
-        # jax.distributed's error poll found process 0's coordination service gone before gloo
-        # failed the step (a race, seen in CI): jax's own message ends the process.
-        assert "JAX distributed service detected fatal errors" in stderr and "another task died" in stderr, stderr
+    if ended_by_jax_distributed(run["worker_returncode"], stderr):
         return
     assert run["worker_returncode"] == PEER_LOST_EXIT_STATUS, stderr
     assert "cbjax worker: process 1 of 2 lost a peer during a step" in stderr
@@ -152,8 +159,10 @@ def test_worker_whose_leader_dies_exits_with_clear_error_in_bounded_time(run):
 
 
 def test_leader_whose_worker_dies_mid_serving_raises_clear_error_in_bounded_time(dead_worker_run):
-    assert dead_worker_run["returncode"] == PEER_LOST_EXIT_STATUS, dead_worker_run["stderr"]
     assert dead_worker_run["exit_s"] < DEAD_PEER_BOUND_S
+    if ended_by_jax_distributed(dead_worker_run["returncode"], dead_worker_run["stderr"]):
+        return
+    assert dead_worker_run["returncode"] == PEER_LOST_EXIT_STATUS, dead_worker_run["stderr"]
     message = dead_worker_run["message"]
     assert message.startswith("process 0 of 2 lost a peer during a step"), dead_worker_run["stderr"]
     assert "another process of this multi-host engine died" in message and "restart every process" in message

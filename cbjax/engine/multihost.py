@@ -15,7 +15,9 @@ the interpreter exits, skipping jax.distributed's shutdown barrier (which would 
 heartbeat timeout for the dead peer, then abort with a C++ stack trace). A process that loses a
 peer while outside a collective (an idle leader) is stopped by jax.distributed's heartbeats
 (HEARTBEAT_TIMEOUT_S). So is a worker whose leader dies, when its error poll finds process 0's
-coordination service gone before gloo/NCCL fails the step (a race: both happen at once): jax logs
+coordination service gone before gloo/NCCL fails the step (a race: both happen at once), and a
+leader whose worker dies while the leader is between steps or slowed down (seen on a loaded
+machine: the heartbeats noticed first): jax logs
 "Terminating process because the JAX distributed service detected fatal errors ... another task
 died" and aborts. jax.distributed takes no callback to replace that abort from Python (the client
 factory's callback receives a C++ status it cannot pass to Python: std::bad_cast, measured on jax
