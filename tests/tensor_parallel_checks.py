@@ -23,7 +23,7 @@ from test_engine import COMPILES, CompileCounter  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
-from cbjax.checkpoint.params import param_name  # noqa: E402
+from cbjax.checkpoint.params import expected_params, param_name  # noqa: E402
 from cbjax.engine.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
 from cbjax.plan import load_model_config  # noqa: E402
 from cbjax.checkpoint.convert import PARAMS_DIR  # noqa: E402
@@ -177,7 +177,8 @@ def restored_shard_shapes(ckpt: Path, tp: int) -> dict[str, list]:
     """Shard shapes of tensors as orbax restores them, before any device_put: straight into shardings."""
     config = ModelConfig.from_dir(ckpt)
     tensor_parallel = TensorParallel.create(config, tp)
-    params = _restore_orbax(ckpt / PARAMS_DIR, config, config.dtype, cast=False, sharding=tensor_parallel.restore_sharding)
+    expected = expected_params(config, jnp.dtype(config.dtype))
+    params = _restore_orbax(ckpt / PARAMS_DIR, expected, cast=False, sharding=tensor_parallel.restore_sharding)
     return {name: sorted({tuple(s.data.shape) for s in array.addressable_shards}) for name, array in params.items()}
 
 

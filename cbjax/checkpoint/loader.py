@@ -38,13 +38,15 @@ def load_model(
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
+    # Built with the model's activation dtype, so the model filled below reuses this abstract build.
+    expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
     if (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
-            ckpt_dir / PARAMS_DIR, model_dtype, expected_params(config, jnp.dtype(model_dtype), activation_dtype),
-            lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None),
+            ckpt_dir / PARAMS_DIR, model_dtype, expected,
+            lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None),
         )
     elif (ckpt_dir / PARAMS_DIR).is_dir():
-        params = _restore_orbax(ckpt_dir / PARAMS_DIR, config, model_dtype, cast=dtype is not None,
+        params = _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None,
                                 sharding=tensor_parallel.restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
@@ -60,13 +62,13 @@ def load_model(
 
 
 def _restore_orbax(
-    params_dir: Path, config: ModelConfig, dtype: str, *, cast: bool,
+    params_dir: Path, expected: dict[str, jax.ShapeDtypeStruct], *, cast: bool,
     sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None,
 ) -> dict[str, np.ndarray | jax.Array]:
-    """Every stored tensor by name: numpy on the host, or with `sharding` jax arrays restored into it."""
+    """Every stored tensor by name (checked against `expected`, cast to its dtypes if `cast`): numpy
+    on the host, or with `sharding` jax arrays restored into it."""
     import orbax.checkpoint as ocp  # 0.5 s of imports that a load from the weights cache skips
 
-    expected = expected_params(config, jnp.dtype(dtype))
     with ocp.StandardCheckpointer() as checkpointer:
         stored = flatten_params(checkpointer.metadata(params_dir.resolve()).item_metadata.tree)
         found = {
