@@ -70,6 +70,20 @@ def enable_compile_cache(setting: str | None, device: jax.Device) -> pathlib.Pat
     return folder
 
 
+# LLVM's optimization level for XLA:CPU's generated code: 1 instead of XLA's default 2 compiled
+# SmolLM2's 7 step programs in 9.4 s instead of 10.3 (16.4 -> 14.8 CPU-seconds), and the steps ran
+# as fast (0.99-1.01x at 8 and 64 decode rows and 256 and 512 prompt tokens); level 0 compiled in
+# 7.1 s but its steps ran 1.11-1.20x as long (benchmarks/cpu_opt_level_ab.py, BENCHMARKS.md section 14).
+# The dots and the attention are library calls (Eigen, oneDNN, the C++ kernel): only fusions are
+# generated, and those are memory-bound.
+CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
+
+
+def step_compiler_options(platform: str) -> dict[str, Any]:
+    """XLA options every step program is compiled with on `platform` (part of JAX's cache key)."""
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+
+
 _thread_state = threading.local()  # set by JAX's cache-hit event, in the thread that compiles
 
 
@@ -126,15 +140,16 @@ class StepCache:
         return library_path(compiler()).stem if backend == "cpp" else ""
 
     @staticmethod
-    def compile_fresh(lowered: jax.stages.Lowered) -> tuple[Any, bool]:
-        """Compile; whether XLA really compiled it (not JAX's persistent cache).
+    def compile_fresh(lowered: jax.stages.Lowered, options: dict[str, Any] | None = None) -> tuple[Any, bool]:
+        """Compile (with XLA `options`, see step_compiler_options); whether XLA really compiled it
+        (not JAX's persistent cache).
 
         Only fresh executables are stored: one that JAX's cache handed back serializes without
         some of its fused functions' code (on jaxlib 0.10.2 its copy failed to run: "Function
         slice_bitcast-convert_fusion.1 not found").
         """
         _thread_state.cache_hit = False
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options or None)
         return compiled, not _thread_state.cache_hit
 
     def load(self, key: str) -> Any | None:

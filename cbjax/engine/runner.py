@@ -28,7 +28,7 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
-from cbjax.engine.compile_cache import StepCache, compile_cache_folder
+from cbjax.engine.compile_cache import StepCache, compile_cache_folder, step_compiler_options
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
@@ -166,6 +166,7 @@ class ModelRunner:
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
         self.activation_dtype = model.activation_dtype
         self.matmul_precision = matmul_precision(model.activation_dtype, jax.devices()[0].platform)
+        self.compiler_options = step_compiler_options(jax.devices()[0].platform)
         # Whole compiled steps, keyed without tracing (one device only: sharded steps go through JAX's cache alone).
         folder = compile_cache_folder(config.compilation_cache_dir, jax.devices()[0])
         single_device = tensor_parallel is None and getattr(config, "num_processes", 1) == 1
@@ -296,7 +297,7 @@ class ModelRunner:
             loaded = dict(zip(keys, pool.map(self.step_cache.load, keys.values()))) if keys else {}
             executables = {shape: executable for shape, executable in loaded.items() if executable is not None}
             lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
-            futures = {pool.submit(StepCache.compile_fresh, lowered[shape]): shape for shape in lowered}
+            futures = {pool.submit(StepCache.compile_fresh, lowered[shape], self.compiler_options): shape for shape in lowered}
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress or not futures):
                 shape = futures[future]
@@ -321,7 +322,7 @@ class ModelRunner:
         options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
         return StepCache.key((
             self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
-            avals(self.last_sampled), self.matmul_precision, self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
+            avals(self.last_sampled), self.matmul_precision, sorted(self.compiler_options.items()), self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
         ))
 
     def _step_key(self, bucket: Bucket) -> str:
@@ -350,7 +351,7 @@ class ModelRunner:
                     len(self.buckets),
                 )
             logger.info("compiling step bucket %s on demand", bucket)
-            compiled = self._lower(bucket).compile()
+            compiled = self._lower(bucket).compile(compiler_options=self.compiler_options or None)
         self.compiled[bucket] = compiled
         return compiled
 
@@ -386,7 +387,7 @@ class ModelRunner:
         not depend on the pool's size (the pool is donated and updated in place).
         """
         largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
-        return max(self._lower(b).compile().memory_analysis().temp_size_in_bytes for b in largest)
+        return max(self._lower(b).compile(compiler_options=self.compiler_options or None).memory_analysis().temp_size_in_bytes for b in largest)
 
     def lower_for(self, bucket: Bucket, platform: str, backend: str) -> jax.stages.Lowered:
         """The step of `bucket` lowered for `platform` from shapes alone (its shardings come from the jit)."""
