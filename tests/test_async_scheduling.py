@@ -62,7 +62,7 @@ def requests(draw):
     return result
 
 
-def serve(engine: LLMEngine, workload: list, async_scheduling: bool) -> dict[str, tuple]:
+def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None) -> dict[str, tuple]:
     """Run `workload` to the end from an empty prefix cache; each request's final output, in
     comparable form. A warm cache changes which prompt tokens are computed, and so the last bits
     of the logprobs: both modes must start from the same state for exact equality to hold."""
@@ -114,11 +114,37 @@ def test_async_outputs_equal_the_synchronous_loop(engine, workload):
     COMPILES.armed = True
     try:
         overlapped = serve(engine, workload, async_scheduling=True)
+        assert_all_released(engine)
+        # "auto" on a CPU: overlapping only while all 4 seats are taken, so it switches mid-run.
+        switching = serve(engine, workload, async_scheduling=None)
     finally:
         COMPILES.armed = False
     assert_all_released(engine)
     assert COMPILES.count == 0
     assert overlapped == synchronous
+    assert switching == synchronous
+
+
+def test_auto_overlaps_on_a_cpu_only_while_every_seat_is_taken(engine):
+    """async_scheduling=None: a step is left in flight only when no seat is free; when a seat frees,
+    the engine reads the step in flight before it schedules again, and nothing is lost."""
+    engine.config.async_scheduling = None
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("first", {"prompt_token_ids": [5, 6, 7]}, params)
+    engine.step()
+    assert engine.in_flight is None  # 1 of 4 seats taken: synchronous
+    for index in range(3):
+        engine.add_request(f"more{index}", {"prompt_token_ids": [8 + index, 9]}, params)
+    engine.step()
+    assert engine.in_flight is not None  # all 4 taken: the step stays in flight
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.outputs[0].token_ids
+    assert sorted(tokens) == ["first", "more0", "more1", "more2"] and all(len(t) == 6 for t in tokens.values())
+    assert_all_released(engine)
+    engine.config.async_scheduling = True
 
 
 def test_stop_found_a_step_late_shows_no_extra_token(engine):
@@ -158,3 +184,18 @@ def test_async_scheduling_flags_follow_vllm():
     for flags, expected in [([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True)]:
         assert engine_options(parser.parse_args(["--model", "m", *flags]))["async_scheduling"] is expected
     assert EngineConfig(model="m").async_scheduling is True
+
+
+def test_server_defaults_favour_time_to_first_token():
+    """`cbjax serve` and `cbjax worker` (which must compile what serve does): prompt-bucket midpoints on
+    and async scheduling "auto"; the library keeps its defaults."""
+    from cbjax.cli import build_parser
+
+    for command in (["serve"], ["worker", "--model", "m"]):
+        options = engine_options(build_parser().parse_args(command))
+        assert options["prompt_bucket_midpoints"] is True and options["async_scheduling"] is None
+        flags = ["--no-prompt-bucket-midpoints", "--async-scheduling"]
+        options = engine_options(build_parser().parse_args([*command, *flags]))
+        assert options["prompt_bucket_midpoints"] is False and options["async_scheduling"] is True
+    library = engine_options(build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"]))
+    assert library["prompt_bucket_midpoints"] is False and library["async_scheduling"] is True

@@ -38,8 +38,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
     # Schedule and launch step N+1 before reading step N's tokens (vLLM's async_scheduling): the
-    # host's work of a step overlaps the device's. False: one step at a time.
-    async_scheduling: bool = True
+    # host's work of a step overlaps the device's. False: one step at a time. None ("auto",
+    # `cbjax serve`'s default): on an accelerator always, on a CPU only while every seat is taken
+    # (LLMEngine._overlaps: otherwise a prompt arriving mid-step would wait one more step).
+    async_scheduling: bool | None = True
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
     # Multi-host (engine/multihost.py): every process gets the same options but its own process_id;
     # process 0 serves, the others run `cbjax worker`. The mesh spans all processes' devices.

@@ -46,6 +46,7 @@ class LLMEngine:
         multihost.initialize(config)  # before any device is touched
         device = jax.devices()[0]
         enable_compile_cache(config.compilation_cache_dir, device)
+        self.platform = device.platform
         dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
         # XLA:CPU has fast bf16 x bf16 -> f32 dots but slow bf16 arithmetic otherwise: on CPU,
         # 16-bit weights keep float32 activations and a float32 KV pool.
@@ -210,15 +211,34 @@ class LLMEngine:
         output on the device): the host's work overlaps the device's.
         """
         outputs = self._apply_aborts()
+        if self.in_flight is not None and not self._overlaps():
+            # Overlapping stops: read the step in flight now and schedule the next one on the next
+            # call, so each call still reports one step (an abort between calls lands exactly).
+            launched, self.in_flight = self.in_flight, None
+            return outputs + self._record(launched)
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
         self.num_steps += launched is not None
-        if self.config.async_scheduling:
+        if self.in_flight is not None or self._overlaps():  # a step in flight is always read before this one
             launched, self.in_flight = self.in_flight, launched
         if launched is not None:
             outputs += self._record(launched)
         return outputs
+
+    def _overlaps(self) -> bool:
+        """Whether this step reads the previous step's tokens (async scheduling) or its own.
+
+        async_scheduling=None ("auto", `cbjax serve`'s default): always on an accelerator. On a CPU
+        only while every seat is taken: there the step runs on the host's own cores, and a prompt
+        that arrives while one step runs, with a seat free, would wait for the step already
+        launched behind it too (one more decode step of time to first token); with no seat free
+        it waits for a seat anyway, and overlapping keeps a full server's throughput.
+        """
+        mode = self.config.async_scheduling
+        if mode is None:
+            return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
+        return mode
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []
