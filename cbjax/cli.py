@@ -100,14 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate, max_num_seqs=1, max_num_batched_tokens=128)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
-    add_engine_args(p, model_positional=True)
+    add_engine_args(p, model_positional=True, server=True)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     add_lower_parser(sub)
 
     p = sub.add_parser("worker", help="multi-host: a process > 0 that runs process 0's steps on its own devices")
-    add_engine_args(p)
+    add_engine_args(p, server=True)  # the same defaults as `cbjax serve`: every process compiles the same steps
     p.set_defaults(func=cmd_worker)
 
     add_plan_parser(sub)

@@ -6,10 +6,19 @@ import argparse
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True, variants: bool = False
+    parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True, variants: bool = False,
+    server: bool = False,
 ) -> None:
     """The engine options every serving command takes (vLLM's flag names). With `variants` (benchmarks),
-    --async-scheduling takes on, off or both, run side by side."""
+    --async-scheduling takes on, off or both, run side by side.
+
+    `server` (`cbjax serve` and its multi-host workers, which must compile the same steps): defaults
+    for a long-lived process answering requests as they come, where time to first token counts
+    more than start-up. Prompt-bucket midpoints are on, and async scheduling is "auto" (None: on a
+    CPU, overlapping only while every seat is taken; LLMEngine._overlaps). At 1 req/s against
+    `vllm serve` (BENCHMARKS.md section 9): median TTFT 289 ms with these defaults, 329-363 ms with
+    the midpoints and async always on, 392 ms with neither; vLLM 370 ms.
+    """
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,
                             help="converted checkpoint or Hugging Face directory (default: built-in SmolLM2)")
@@ -46,13 +55,15 @@ def add_engine_args(
                             help="one or both (both: side by side in one engine, interleaved)")
     else:
         parser.add_argument(
-            "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-            help="schedule the next step while one runs (--no-async-scheduling: one step at a time)",
+            "--async-scheduling", action=argparse.BooleanOptionalAction, default=None if server else True,
+            help="schedule the next step while one runs (--no-async-scheduling: one step at a time); default: "
+                 + ("auto: on a CPU only while every seat is taken, always elsewhere" if server else "on"),
         )
     parser.add_argument(
-        "--prompt-bucket-midpoints", action="store_true",
+        "--prompt-bucket-midpoints", action=argparse.BooleanOptionalAction, default=server,
         help="also compile prompt steps of 96, 192, 384 tokens (1.5x each power of two from 64): less padding "
-             "beside running decodes (lower TTFT when serving), 3 more compiles at start-up",
+             "beside running decodes (lower TTFT when serving), 3 more compiles at start-up; default: "
+             + ("on" if server else "off"),
     )
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
