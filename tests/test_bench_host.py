@@ -82,7 +82,8 @@ def test_bench_host_reports_per_step_times_for_every_variant(checkpoint, tmp_pat
         assert run["finish_reasons"] == ["length"]
         assert run["num_steps"] == 6 and run["num_measured_steps"] == 4
         assert run["device_ms_per_step"] == pytest.approx(run["delay_ms"], abs=1e-6)
-        assert run["wall_ms_per_step"] >= run["delay_ms"]
+        # When the host's work is all hidden, the wall time is the device's: equal up to float rounding.
+        assert run["wall_ms_per_step"] >= run["delay_ms"] - 1e-6
         # The synchronous loop's device always waits for the host; async scheduling may hide it all.
         assert (0 if run["async_scheduling"] == "on" else 1e-9) <= run["host_ms_per_step"] <= run["wall_ms_per_step"]
         assert run["elapsed_s"] >= run["num_steps"] * run["delay_ms"] / 1e3
