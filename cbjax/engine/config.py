@@ -28,7 +28,8 @@ class EngineConfig:
     # step. It bounds the query tiles of the jnp attention, so decodes beside a chunk cost less.
     max_num_prefills: int = 8
     # Prompt-step buckets also at 1.5x each power of two from 64 tokens (96, 192, 384 at 512): a
-    # prompt step pads at most a third of its rows, for 3 more compiled steps at start-up.
+    # prompt step pads at most a third of its rows, for 3 more compiled steps at start-up
+    # (`cbjax serve`'s default: True).
     prompt_bucket_midpoints: bool = False
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     seed: int = 0  # seeds requests that bring no seed of their own
