@@ -329,6 +329,10 @@ class ModelRunner:
         """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
         return StepCache.key((self._step_key_base, self._layouts[bucket], self._out_layouts[bucket], bucket))
 
+    def _compile(self, bucket: Bucket) -> Any:
+        """Trace, lower and compile `bucket`'s step with this device's compiler options (no cache)."""
+        return self._lower(bucket).compile(compiler_options=self.compiler_options or None)
+
     def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
         with jax.default_matmul_precision(self.matmul_precision):  # read while tracing: every dot of the step
             return self._step_fn(bucket, self.backend).lower(
@@ -351,7 +355,7 @@ class ModelRunner:
                     len(self.buckets),
                 )
             logger.info("compiling step bucket %s on demand", bucket)
-            compiled = self._lower(bucket).compile(compiler_options=self.compiler_options or None)
+            compiled = self._compile(bucket)
         self.compiled[bucket] = compiled
         return compiled
 
@@ -387,7 +391,7 @@ class ModelRunner:
         not depend on the pool's size (the pool is donated and updated in place).
         """
         largest = [max((b for b in self.buckets if b.kind == kind), key=lambda b: b.num_tokens) for kind in ("decode", "mixed")]
-        return max(self._lower(b).compile(compiler_options=self.compiler_options or None).memory_analysis().temp_size_in_bytes for b in largest)
+        return max(self._compile(b).memory_analysis().temp_size_in_bytes for b in largest)
 
     def lower_for(self, bucket: Bucket, platform: str, backend: str) -> jax.stages.Lowered:
         """The step of `bucket` lowered for `platform` from shapes alone (its shardings come from the jit)."""
