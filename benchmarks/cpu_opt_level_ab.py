@@ -12,15 +12,16 @@ at four workload shapes: 16 and 64 requests, short (32-token prompts, 32 out) an
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
+from unittest import mock
 
 import numpy as np
 
 import cbjax.engine.compile_cache as compile_cache
+from benchmarks.alternate import alternate_generate, medians
 from cbjax import LLM, SamplingParams
+from cbjax.bench.common import write_json
 
 SHAPES = {  # name: (requests, prompt tokens, output tokens)
     "16 short": (16, 32, 32),
@@ -31,14 +32,10 @@ SHAPES = {  # name: (requests, prompt tokens, output tokens)
 
 
 def build(model: str, level: int) -> tuple[LLM, float]:
-    original = compile_cache.CPU_COMPILER_OPTIONS
-    compile_cache.CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": level}
-    try:
+    with mock.patch.object(compile_cache, "CPU_COMPILER_OPTIONS", {"xla_backend_optimization_level": level}):
         start = time.perf_counter()
         llm = LLM(model, compilation_cache_dir=None)
         return llm, time.perf_counter() - start
-    finally:
-        compile_cache.CPU_COMPILER_OPTIONS = original
 
 
 def main() -> None:
@@ -50,30 +47,25 @@ def main() -> None:
     built = {level: build(args.model, level) for level in (1, 2)}  # level 1 first: it pays the first-use costs
     engines = {level: llm for level, (llm, _) in built.items()}
     rng = np.random.default_rng(0)
-    runs: dict[str, list[float]] = {}
-    for round_index in range(args.rounds):
-        order = (2, 1) if round_index % 2 == 0 else (1, 2)
-        for shape, (num, prompt_len, output_len) in SHAPES.items():
-            prompts = [{"prompt_token_ids": rng.integers(1, 40000, prompt_len).tolist()} for _ in range(num)]
-            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-            for level in order:
-                start = time.perf_counter()
-                engines[level].generate(prompts, params, use_tqdm=False)
-                runs.setdefault(f"{shape} @ level {level}", []).append(time.perf_counter() - start)
+
+    def workload(num: int, prompt_len: int, output_len: int):
+        prompts = [{"prompt_token_ids": rng.integers(1, 40000, prompt_len).tolist()} for _ in range(num)]
+        return prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+    workloads = {shape: (lambda sizes=sizes: workload(*sizes)) for shape, sizes in SHAPES.items()}
+    runs = alternate_generate(engines, workloads, args.rounds, order=(2, 1))
     result = {
         "load_average": os.getloadavg(),
         "llm_construction_s": {level: round(seconds, 2) for level, (_, seconds) in built.items()},
-        "runs": runs,
+        "runs": {f"{shape} @ level {level}": times for (shape, level), times in runs.items()},
         "ratio_level1_over_level2": {},
     }
     print(f"LLM() without a cache: level 2 {built[2][1]:.1f} s, level 1 {built[1][1]:.1f} s")
     for shape in SHAPES:
-        old, new = (statistics.median(runs[f"{shape} @ level {level}"]) for level in (2, 1))
+        old, new = medians(runs, shape, 2, 1)
         result["ratio_level1_over_level2"][shape] = round(new / old, 3)
         print(f"{shape}: level 2 {old:.2f} s, level 1 {new:.2f} s, 1/2 {new / old:.3f}")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.result_json, result)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import statistics
-import time
+from unittest import mock
 
 import cbjax.engine.buckets as buckets
 import cbjax.engine.runner as runner_module
+from benchmarks.alternate import alternate_generate, medians
 from cbjax import LLM, SamplingParams
+from cbjax.bench.common import write_json
+
+CONCURRENCIES = (1, 4, 8)
 
 
 def build(model: str, min_decode_reqs: int) -> LLM:
-    original = runner_module.compute_buckets
-    runner_module.compute_buckets = functools.partial(buckets.compute_buckets, min_decode_reqs=min_decode_reqs)
-    try:
+    floor = functools.partial(buckets.compute_buckets, min_decode_reqs=min_decode_reqs)
+    with mock.patch.object(runner_module, "compute_buckets", floor):
         return LLM(model, compilation_cache_dir=".jax_cache")
-    finally:
-        runner_module.compute_buckets = original
 
 
 def main() -> None:
@@ -39,22 +38,14 @@ def main() -> None:
     engines = {floor: build(args.model, floor) for floor in (8, 16)}
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 400 for j in range(24)]} for i in range(8)]
-    runs: dict[str, list[float]] = {}
-    for round_index in range(args.rounds):
-        order = (8, 16) if round_index % 2 == 0 else (16, 8)
-        for concurrency in (1, 4, 8):
-            for floor in order:
-                start = time.perf_counter()
-                engines[floor].generate(prompts[:concurrency], params, use_tqdm=False)
-                runs.setdefault(f"{concurrency}@{floor}", []).append(time.perf_counter() - start)
-    result = {"runs": runs, "ratio_16_over_8": {}}
-    for concurrency in (1, 4, 8):
-        old, new = (statistics.median(runs[f"{concurrency}@{f}"]) for f in (8, 16))
+    workloads = {str(n): (lambda n=n: (prompts[:n], params)) for n in CONCURRENCIES}
+    runs = alternate_generate(engines, workloads, args.rounds, order=(8, 16))
+    result = {"runs": {f"{name}@{floor}": times for (name, floor), times in runs.items()}, "ratio_16_over_8": {}}
+    for concurrency in CONCURRENCIES:
+        old, new = medians(runs, str(concurrency), 8, 16)
         result["ratio_16_over_8"][concurrency] = round(new / old, 3)
         print(f"{concurrency} requests: 8-row floor {old:.2f} s, 16-row floor {new:.2f} s, 16/8 {new / old:.3f}")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.result_json, result)
 
 
 if __name__ == "__main__":
