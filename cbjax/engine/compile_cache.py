@@ -71,9 +71,10 @@ def enable_compile_cache(setting: str | None, device: jax.Device) -> pathlib.Pat
 
 
 # LLVM's optimization level for XLA:CPU's generated code: 1 instead of XLA's default 2 compiled
-# SmolLM2's 7 step programs in 9.4 s instead of 10.3 (16.4 -> 14.8 CPU-seconds), and the steps ran
-# as fast (0.99-1.01x at 8 and 64 decode rows and 256 and 512 prompt tokens); level 0 compiled in
-# 7.1 s but its steps ran 1.11-1.20x as long (benchmarks/cpu_opt_level_ab.py, BENCHMARKS.md section 14).
+# SmolLM2's 7 step programs in 10.2 s instead of 11.2 (17.8 -> 15.7 CPU-seconds), and the steps ran
+# as fast (0.98-1.01x, every program); level 0 compiled in 8.0 s but its steps ran 1.10-1.17x as
+# long (benchmarks/step_compile_times.py; whole workloads: benchmarks/cpu_opt_level_ab.py,
+# BENCHMARKS.md section 14).
 # The dots and the attention are library calls (Eigen, oneDNN, the C++ kernel): only fusions are
 # generated, and those are memory-bound.
 CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
