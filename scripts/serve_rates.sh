@@ -9,7 +9,8 @@
 # prompts from the earlier rates' blocks, as much as its pool had kept of them (vLLM-CPU's 2 GiB
 # pool kept a block of every prompt of 128+ tokens, cbjax's model-sized pool almost none), so
 # those rates timed the cache's retention, not the serving.
-# Environment: PYTHON (cbjax's interpreter), NUM_PROMPTS (default 32).
+# Environment: PYTHON (cbjax's interpreter), NUM_PROMPTS (default 32), INPUT_LEN and OUTPUT_LEN (default 128
+# each, +-50%).
 
 wait_healthy() {
   until curl -sf "http://127.0.0.1:$2/health" > /dev/null; do
@@ -24,7 +25,7 @@ drive_rates() {
   for rate in "$@"; do
     curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_before"
     "$py" -m cbjax.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
-      --num-prompts "${NUM_PROMPTS:-32}" --input-len 128 --output-len 128 --range-ratio 0.5 \
+      --num-prompts "${NUM_PROMPTS:-32}" --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --range-ratio 0.5 \
       --dataset-seed "$seed" --metric-percentiles 50,99 --result-json "bench_results/${name}_rate$rate.json"
     curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_after"
     seed=$((seed + 1))
