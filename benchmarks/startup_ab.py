@@ -1,10 +1,12 @@
 """Start-up of two checkouts side by side: `LLM()` warm and `cbjax generate --chat` to its first token.
 
-    python benchmarks/startup_ab.py OLD_DIR NEW_DIR [--rounds 3] [--out startup_ab.json]
+    python benchmarks/startup_ab.py OLD_DIR NEW_DIR [--rounds 3] [--cold-rounds 0] [--out startup_ab.json]
 
 Each checkout runs its own `cbjax.bench.startup` children (fresh processes, its code first on
 PYTHONPATH) with its own empty cache folder: one cold `LLM()` and one `cbjax generate --chat` fill
 it, then the warm runs alternate old, new, old, new, ... so both see the same machine load.
+With --cold-rounds N, N more cold `LLM()` runs each follow, alternated the same way, each in a
+new empty cache folder (compilation, weights and kernel caches all empty).
 Prints one JSON object: every run, the medians and new/old ratios.
 """
 
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cold-rounds", type=int, default=0, help="cold LLM() runs per checkout, alternated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     trees = {"old": os.path.realpath(args.old), "new": os.path.realpath(args.new)}
@@ -53,12 +56,23 @@ def main() -> None:
                 for kind in ("llm", "generate"):
                     runs[side][kind].append(child(tree, caches[side], kind))
                     print(side, kind, json.dumps(runs[side][kind][-1]), file=sys.stderr)
+    for side in trees:
+        runs[side]["cold"] = []
+    for _ in range(args.cold_rounds):
+        for side, tree in trees.items():
+            with tempfile.TemporaryDirectory() as empty:
+                runs[side]["cold"].append(child(tree, empty, "llm"))
+            print(side, "cold", json.dumps(runs[side]["cold"][-1]), file=sys.stderr)
     median = lambda side, kind, field: statistics.median(  # noqa: E731
         r["phases_s"][field] if field in r.get("phases_s", {}) else r[field] for r in runs[side][kind])
     medians = {side: {"llm_warm_s": median(side, "llm", "LLM() total"),
                       "llm_warm_peak_rss_mb": median(side, "llm", "peak_rss_mb"),
                       "generate_first_token_s": median(side, "generate", "first_token_s"),
                       "generate_peak_rss_mb": median(side, "generate", "peak_rss_mb")} for side in trees}
+    if args.cold_rounds:
+        for side in trees:
+            medians[side] |= {"llm_cold_s": median(side, "cold", "LLM() total"),
+                              "llm_cold_peak_rss_mb": median(side, "cold", "peak_rss_mb")}
     result = {"trees": trees, "rounds": args.rounds, "cold": cold, "runs": runs, "medians": medians,
               "new_over_old": {k: round(medians["new"][k] / medians["old"][k], 3) for k in medians["new"]}}
     emit(result, args.out)

@@ -8,6 +8,20 @@ registered with XLA as an FFI target; where it cannot be built, `kernel_problem(
 the engine serves with the jnp reference instead.
 """
 
-from kernels_cpu.attention import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_cpu.attention import (
+    kernel_problem,
+    kernel_registered,
+    ragged_paged_attention_cpu,
+    register_in_background,
+    registration_deferred,
+    write_kv_and_attend_cpu,
+)
 
-__all__ = ["kernel_problem", "ragged_paged_attention_cpu", "write_kv_and_attend_cpu"]
+__all__ = [
+    "kernel_problem",
+    "kernel_registered",
+    "ragged_paged_attention_cpu",
+    "register_in_background",
+    "registration_deferred",
+    "write_kv_and_attend_cpu",
+]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from kernels_cpu.build import build
+from kernels_cpu.build import build, compiler, library_path
 from kernels_pallas.reference import AttentionMetadata
 
 # FFI targets per pool dtype (attention only, KV write + attention); queries and output are float32.
@@ -19,7 +22,10 @@ SUFFIXES = {jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.float16): "F16", jnp.dt
 KERNELS = ("CbjaxPagedAttention", "CbjaxWriteKvAttention")
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held while the kernel is built and registered
+# Set while a caller traces steps without waiting for the build (registration_deferred): the
+# build hash their FFI target names carry.
+_deferred_hash: contextvars.ContextVar[str | None] = contextvars.ContextVar("cbjax_kernel_deferred_hash", default=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,14 +47,20 @@ def _register_once() -> str:
     return build_hash
 
 
+def build_hash() -> str:
+    """The hash the FFI targets of this machine's build are named with, known before the build exists."""
+    return library_path(compiler()).stem.rsplit("_", 1)[-1]
+
+
 def _target_suffix(k_pages: Array, v_pages: Array) -> str:
-    """The FFI targets' suffix for these pools' dtype and this build, once the pools are checked and the kernel registered."""
+    """The FFI targets' suffix for these pools' dtype and this build, once the pools are checked and the kernel
+    registered (or, under registration_deferred, named only)."""
     if k_pages.dtype not in SUFFIXES or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
             f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
         )
-    return f"{SUFFIXES[k_pages.dtype]}_{_register()}"
+    return f"{SUFFIXES[k_pages.dtype]}_{_deferred_hash.get() or _register()}"
 
 
 def _register() -> str:
@@ -57,9 +69,57 @@ def _register() -> str:
         return _register_once()
 
 
-def kernel_problem() -> str | None:
-    """Why the kernel can't run here (no compiler, a failed build), or None once it is registered."""
+@contextlib.contextmanager
+def registration_deferred() -> Iterator[None]:
+    """Trace (and lower) calls to the kernel without waiting for its build: the FFI targets are
+    named from the build's hash alone. Whoever compiles what was traced must first call
+    kernel_problem(), which waits for the build and registers the targets (XLA looks them up then).
+
+    The engine traces its steps this way while the compiler still runs (register_in_background):
+    on a machine without a build, tracing and building overlap instead of following each other.
+    """
+    token = _deferred_hash.set(build_hash())
     try:
+        yield
+    finally:
+        _deferred_hash.reset(token)
+
+
+def register_in_background() -> threading.Thread:
+    """Build (where this machine has no build yet) and register the kernel on a thread: the
+    compiler, a process of its own, runs while the engine loads the weights and traces its steps.
+    kernel_problem() waits for it and says how it went."""
+    started = threading.Event()
+
+    def register() -> None:
+        with _lock:
+            started.set()
+            try:
+                _register_once()
+            except Exception:  # noqa: BLE001 - kernel_problem() builds again and reports it
+                pass
+
+    thread = threading.Thread(target=register, name="cbjax-kernel-build", daemon=True)
+    thread.start()
+    started.wait()  # the lock is held: kernel_problem(wait=False) sees the build under way
+    return thread
+
+
+def kernel_registered() -> bool:
+    """Whether this process has built and registered the kernel (never waits)."""
+    return _register_once.cache_info().currsize > 0
+
+
+def kernel_problem(wait: bool = True) -> str | None:
+    """Why the kernel can't run here (no compiler, a failed build), or None once it is registered.
+
+    With wait=False while register_in_background's build is under way: None if a compiler is
+    there, without waiting (the build's own outcome is known to the next caller that waits).
+    """
+    try:
+        if not wait and _lock.locked():
+            compiler()
+            return None
         _register()
     except Exception as error:  # noqa: BLE001 - any failure means "serve with the jnp path", with the reason
         return f"{type(error).__name__}: {error}"

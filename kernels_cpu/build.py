@@ -8,13 +8,13 @@ and a folder shared between machines never hands one a library built for another
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pathlib
 import shutil
 import subprocess
 import tempfile
-import threading
 
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
@@ -68,10 +68,16 @@ def cpu_features() -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    """`cxx --version`, asked once per process (a step's trace names the build on every layer)."""
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+
+
 def library_path(cxx: str) -> pathlib.Path:
     import jaxlib
 
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    version = compiler_version(cxx)
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
                  cpu_features().encode()):
@@ -98,19 +104,3 @@ def build() -> pathlib.Path:
         raise KernelBuildError(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
     os.replace(tmp, target)
     return target
-
-
-def build_in_background() -> threading.Thread:
-    """Start build() on a thread, so that the compiler (its own process) runs while the engine loads
-    the weights; join the thread before the kernel is first used. A failed build is left for the
-    engine's own kernel check (kernel_problem) to report."""
-
-    def build_quietly() -> None:
-        try:
-            build()
-        except Exception:  # noqa: BLE001 - reported by kernel_problem() when the backend is chosen
-            pass
-
-    thread = threading.Thread(target=build_quietly, name="cbjax-kernel-build", daemon=True)
-    thread.start()
-    return thread

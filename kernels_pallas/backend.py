@@ -81,6 +81,21 @@ def _probe_pallas(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size
     return None
 
 
+def cpu_kernel_fallback(requested: str, problem: str) -> str:
+    """The backend to serve with when the C++ kernel is unusable (`problem`): an error if the user
+    asked for "cpp", else "xla" with a warning that says why."""
+    if requested == "cpp":
+        raise RuntimeError(f"attention_backend='cpp': the CPU kernel is unusable here ({problem})")
+    warnings.warn(
+        f"the C++ CPU attention kernel is unusable here ({problem}); serving with the jnp reference "
+        "attention instead, which is correct but about 2-3x slower per layer. Pass attention_backend='xla' "
+        "to silence this, or fix the cause above.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "xla"
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_backend(
     requested: str = "auto",
@@ -89,10 +104,13 @@ def resolve_backend(
     num_kv_heads: int = 8,
     head_dim: int = 128,
     block_size: int = 16,
+    wait_for_kernel: bool = True,
 ) -> str:
     """Turn a user's choice ("auto" included) into one of BACKENDS, and log it once.
 
-    The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU.
+    The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU. With
+    wait_for_kernel=False, a C++ kernel still being built (kernels_cpu.register_in_background)
+    counts as usable; whoever compiles a step first checks the build (cpu_kernel_fallback).
     """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
@@ -101,19 +119,8 @@ def resolve_backend(
     if requested == "cpp" and platform != "cpu":
         raise ValueError(f"attention_backend='cpp' is the CPU kernel, but JAX runs on {platform}; use 'auto'")
     if requested in ("auto", "cpp") and platform == "cpu":
-        problem = kernel_problem()
-        if problem is None:
-            chosen = "cpp"
-        elif requested == "cpp":
-            raise RuntimeError(f"attention_backend='cpp': the CPU kernel is unusable here ({problem})")
-        else:
-            warnings.warn(
-                f"the C++ CPU attention kernel is unusable here ({problem}); serving with the jnp reference "
-                "attention instead, which is correct but about 2-3x slower per layer. Pass attention_backend='xla' "
-                "to silence this, or fix the cause above.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        problem = kernel_problem(wait=wait_for_kernel)
+        chosen = "cpp" if problem is None else cpu_kernel_fallback(requested, problem)
     if requested == "pallas" and not _has_gpu():
         # Without a GPU the same kernels run interpreted: correct, slow, meant for testing.
         warnings.warn(

@@ -185,11 +185,38 @@ def test_a_broken_build_reports_the_compiler_error(tmp_path, monkeypatch):
 
 
 def test_auto_backend_falls_back_to_xla_with_the_reason(monkeypatch):
-    monkeypatch.setattr(backend, "kernel_problem", lambda: "KernelBuildError: no C++ compiler")
+    monkeypatch.setattr(backend, "kernel_problem", lambda wait=True: "KernelBuildError: no C++ compiler")
     with pytest.warns(RuntimeWarning, match="no C.. compiler.*jnp reference"):
         assert backend.resolve_backend.__wrapped__("auto") == "xla"
     with pytest.raises(RuntimeError, match="attention_backend='cpp'.*no C.. compiler"):
         backend.resolve_backend.__wrapped__("cpp")
+
+
+def test_steps_trace_while_the_kernel_builds_and_name_that_build():
+    """registration_deferred: lowering a call to the kernel does not wait for a build under way (the
+    engine's start-up traces its steps meanwhile), and names the targets as the build will."""
+    import threading
+
+    from kernels_cpu import attention, registration_deferred
+
+    build_hash = kernel_build.library_path(kernel_build.compiler()).stem.rsplit("_", 1)[-1]
+    pool = jax.ShapeDtypeStruct((1, 4, 8, 16), jnp.float32)
+    new = jax.ShapeDtypeStruct((2, 1, 16), jnp.float32)
+    lowered = {}
+
+    def lower() -> None:
+        with registration_deferred():
+            lowered["hlo"] = jax.jit(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=0.25)).lower(
+                new, new, new, pool, pool, abstract_metadata(num_tokens=2, num_reqs=2, max_blocks=2)
+            ).as_text()
+
+    with attention._lock:  # a build under way (register_in_background holds this lock while it builds)
+        assert kernel_problem(wait=False) is None
+        tracer = threading.Thread(target=lower)
+        tracer.start()
+        tracer.join(timeout=60)
+        assert not tracer.is_alive(), "tracing under registration_deferred waited for the build"
+    assert f"CbjaxWriteKvAttentionF32_{build_hash}" in lowered["hlo"]
 
 
 def test_auto_backend_is_the_kernel_on_cpu():

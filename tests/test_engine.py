@@ -130,6 +130,21 @@ def test_interpreted_pallas_kernels_match_transformers(tiny, expected):
     assert [o.outputs[0].token_ids for o in outs] == want[:4]
 
 
+def test_a_kernel_build_failing_after_the_steps_were_traced_falls_back_to_jnp_attention(tiny, expected, monkeypatch):
+    """On a CPU the engine traces its steps while the C++ kernel still builds (register_in_background)
+    and learns how the build went only before compiling: a failure there retraces with the jnp
+    attention, says why, and serves correctly."""
+    import cbjax.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "kernel_problem", lambda: "KernelBuildError: compiling paged_attention.cc failed")
+    with pytest.warns(RuntimeWarning, match="compiling paged_attention.cc failed.*jnp reference"):
+        fallback = LLM(str(tiny[1]), **ENGINE_OPTIONS)
+    assert fallback.llm_engine.backend == "xla"
+    prompts, want = expected
+    outs = fallback.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_jnp_attention_backend_matches_transformers(tiny, expected, llm):
     # The default engine on a CPU serves with the C++ kernel; the jnp path is the fallback.
     assert llm.llm_engine.backend == "cpp"

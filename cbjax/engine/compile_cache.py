@@ -153,6 +153,9 @@ class StepCache:
         compiled = lowered.compile(compiler_options=options or None)
         return compiled, not _thread_state.cache_hit
 
+    def has(self, key: str) -> bool:
+        return (self.folder / f"{key}.step").is_file()
+
     def load(self, key: str) -> Any | None:
         """The stored executable, or None (missing, or unreadable by this jaxlib: it is compiled again)."""
         path = self.folder / f"{key}.step"

@@ -29,7 +29,7 @@ from cbjax.models.llama import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer import Tokenizer
-from kernels_cpu.build import build_in_background
+from kernels_cpu import register_in_background
 from kernels_pallas.backend import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class LLMEngine:
         tensor_parallel = None
         if config.tensor_parallel_size > 1:  # checked against the model before any weight is read
             tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size)
-        # On a CPU the C++ attention kernel may need building (seconds): overlap it with the weights' load.
-        kernel_build = build_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
+        # On a CPU the C++ attention kernel may need building (seconds): it builds while the weights
+        # load and the steps are traced; the runner waits for it before it compiles them.
+        kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
         # Under TP, model_config counts KV heads after repetition (see cbjax/engine/sharding.py).
         model, self.model_config = load_model(
             config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel
@@ -64,19 +65,18 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_id)
         mc = self.model_config
-        if kernel_build is not None:
-            kernel_build.join()
-        self.backend = resolve_backend(
+        backend = resolve_backend(
             config.attention_backend,
             num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads
             num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,
             head_dim=mc.head_dim,
             block_size=config.block_size,
+            wait_for_kernel=kernel_build is None,
         )
         reserved_bytes = 0
         if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
-            reserved_bytes = ModelRunner(model, mc, config, 2, self.backend, tensor_parallel).peak_step_bytes()
+            reserved_bytes = ModelRunner(model, mc, config, 2, backend, tensor_parallel).peak_step_bytes()
             # The penalty table is allocated with the runner, after the pool is sized: keep room for it.
             reserved_bytes += penalty_state_bytes(config.max_num_seqs, mc.vocab_size)
         num_blocks = plan_num_blocks(
@@ -93,7 +93,7 @@ class LLMEngine:
             weights_bytes=sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model))),
             reserved_bytes=reserved_bytes,
         )
-        self.runner = ModelRunner(model, mc, config, num_blocks, self.backend, tensor_parallel)
+        self.runner = ModelRunner(model, mc, config, num_blocks, backend, tensor_parallel)
         self.step_broadcast = multihost.attach(self.runner, config)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -119,6 +119,11 @@ class LLMEngine:
             logger.info("compiled %d steps in %.1f s", len(self.runner.buckets), time.perf_counter() - start)
 
     # ---- requests -------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """The attention backend the steps run with (the runner's: it falls back to "xla" if the C++ kernel's build fails)."""
+        return self.runner.backend
 
     def add_request(
         self,

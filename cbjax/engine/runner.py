@@ -39,7 +39,8 @@ from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.heap import release_free_heap
 from cbjax.models.llama import init_kv_caches
-from kernels_pallas.backend import AttentionPlan
+from kernels_cpu import kernel_problem, kernel_registered, registration_deferred
+from kernels_pallas.backend import AttentionPlan, cpu_kernel_fallback
 from kernels_pallas.lowering import lowering_target
 from kernels_pallas.reference import AttentionMetadata
 
@@ -283,21 +284,39 @@ class ModelRunner:
         """Compile every bucket now (or only `buckets`, for a caller that knows its steps), so that
         serving never compiles.
 
-        XLA compiles outside the GIL, so buckets compile on all cores at once. They are traced
-        one after another first: tracing in parallel threads made the HLO differ from run to run
-        (a constant shared by the layers was sometimes built twice), so the persistent
-        compilation cache missed. Buckets that lower to the same program share one executable.
+        XLA compiles outside the GIL, so buckets compile on all cores at once, while the next ones
+        are traced. They are traced one after another: tracing in parallel threads made the HLO
+        differ from run to run (a constant shared by the layers was sometimes built twice), so the
+        persistent compilation cache missed. Buckets that lower to the same program share one executable.
         """
         buckets = self.buckets if buckets is None else buckets
         logger.info("step buckets (kind, tokens, requests): %s", [(b.kind, b.num_tokens, b.num_reqs) for b in buckets])
         shapes = self._step_shapes(buckets)
         programs = list(dict.fromkeys(shapes.values()))
         keys = {shape: self._step_key(shape) for shape in programs} if self.step_cache is not None else {}
+        stored = {shape: key for shape, key in keys.items() if self.step_cache.has(key)}
+        if stored and not self._kernel_ready():  # a stored step calls the kernel's targets by name
+            return self.precompile(progress, buckets)
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            loaded = dict(zip(keys, pool.map(self.step_cache.load, keys.values()))) if keys else {}
+            loaded = dict(zip(stored, pool.map(self.step_cache.load, stored.values()))) if stored else {}
             executables = {shape: executable for shape, executable in loaded.items() if executable is not None}
-            lowered = {shape: self._lower(shape) for shape in programs if shape not in executables}
-            futures = {pool.submit(StepCache.compile_fresh, lowered[shape], self.compiler_options): shape for shape in lowered}
+            # Traced one after another while the C++ kernel may still be building (register_in_background);
+            # each compiles on the pool as soon as it is traced and the kernel is registered.
+            lowered: dict[Bucket, jax.stages.Lowered] = {}
+            futures: dict[concurrent.futures.Future, Bucket] = {}
+
+            def submit_traced() -> None:
+                for shape in [shape for shape in lowered if shape not in futures.values()]:
+                    futures[pool.submit(StepCache.compile_fresh, lowered[shape], self.compiler_options)] = shape
+
+            for shape in programs:
+                if shape not in executables:
+                    lowered[shape] = self._lower(shape, wait_for_kernel=False)
+                    if self.backend != "cpp" or kernel_registered():
+                        submit_traced()
+            if lowered and not self._kernel_ready():
+                return self.precompile(progress, buckets)
+            submit_traced()
             done = concurrent.futures.as_completed(futures)
             for future in tqdm(done, total=len(futures), desc="compiling steps", disable=not progress or not futures):
                 shape = futures[future]
@@ -333,11 +352,31 @@ class ModelRunner:
         """Trace, lower and compile `bucket`'s step with this device's compiler options (no cache)."""
         return self._lower(bucket).compile(compiler_options=self.compiler_options or None)
 
-    def _lower(self, bucket: Bucket) -> jax.stages.Lowered:
-        with jax.default_matmul_precision(self.matmul_precision):  # read while tracing: every dot of the step
+    def _lower(self, bucket: Bucket, wait_for_kernel: bool = True) -> jax.stages.Lowered:
+        """`bucket`'s step, traced and lowered. wait_for_kernel=False: without waiting for the C++
+        kernel's build; then call _kernel_ready() before compiling the result."""
+        if wait_for_kernel:
+            self._kernel_ready()
+        deferred = registration_deferred() if self.backend == "cpp" else contextlib.nullcontext()
+        with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend).lower(
                 self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self._packed_struct(bucket)
             )
+
+    def _kernel_ready(self) -> bool:
+        """Wait for the C++ kernel's build and registration (a no-op for other backends, or once done).
+
+        False if the build failed: the runner then serves with the jnp attention ("xla", with
+        cpu_kernel_fallback's warning), and steps traced before are stale.
+        """
+        if self.backend != "cpp":
+            return True
+        problem = kernel_problem()
+        if problem is None:
+            return True
+        self.backend = cpu_kernel_fallback(self.config.attention_backend, problem)
+        self.__dict__.pop("_step_key_base", None)  # it names the backend
+        return False
 
     def _executable(self, bucket: Bucket) -> Any:
         """The compiled step of `bucket`, compiled now if start-up skipped it (precompile=False)."""
