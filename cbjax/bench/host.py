@@ -86,6 +86,8 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
         "host_cpu_ms_per_step": statistics.median(
             steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
         ) * 1e3,
+        # A step's tail: the slowest of the measured steps (a full garbage collection lands on one of them).
+        "max_wall_ms_per_step": max(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
         # (a DELTA output holds only its last tokens: count them from the metrics)
         "num_output_tokens": sum(output.metrics.num_generation_tokens for output in finished),

@@ -182,6 +182,7 @@ def run_worker(model: str, options: dict) -> None:
     """`cbjax worker`: build the same engine as process 0 (its own shards), then run its steps."""
     from cbjax.engine.config import EngineConfig
     from cbjax.engine.engine import LLMEngine
+    from cbjax.heap import freeze_gc_heap
 
     config = EngineConfig(model=model, **options)
     if config.num_processes < 2 or config.process_id == 0:
@@ -190,6 +191,7 @@ def run_worker(model: str, options: dict) -> None:
             f"{config.process_id}; process 0 serves (cbjax serve / generate, or LLM(...) with the same options)"
         )
     engine = LLMEngine(config, progress=False)
+    freeze_gc_heap()  # a GC pause here would stall every process's collectives
     try:
         serve_steps(engine.runner, engine.step_broadcast)
     except PeerLostError as error:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
 from cbjax.cli_args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
+from cbjax.heap import freeze_gc_heap
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.serving import ServerState
@@ -51,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the signal it drained on; a no-op handler makes that drained exit a clean 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
     try:
         ok = asyncio.run(_serve(uvicorn.Server(config), args, served_model_name))
     finally:
