@@ -10,6 +10,8 @@ pools are returned, so `nnx.merge(graphdef, state)` inside a jitted function tra
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +124,17 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _decoder_layer(
+    graphdef: nnx.GraphDef, state: nnx.State, x: Float[Array, "tokens hidden"], positions: Int[Array, "tokens"],
+    kv_cache: KVCache, metadata: AttentionMetadata, plan: AttentionPlan,
+) -> tuple[Float[Array, "tokens hidden"], KVCache]:
+    """One decoder layer as its own jitted function: every layer of a model has the same structure
+    and shapes, so a step traces and lowers the layer once and calls it num_hidden_layers times
+    (XLA inlines the calls before optimizing, so the compiled step is the unrolled one)."""
+    return nnx.merge(graphdef, state)(x, positions, kv_cache, metadata, plan)
+
+
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
@@ -202,7 +215,8 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens.embedding[...][token_ids].astype(self.activation_dtype)
         new_caches = []
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, metadata, plan)
+            graphdef, state = nnx.split(layer)
+            x, kv_cache = _decoder_layer(graphdef, state, x, positions, kv_cache, metadata, plan)
             new_caches.append(kv_cache)
         return x, new_caches
 
