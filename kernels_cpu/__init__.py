@@ -9,6 +9,7 @@ the engine serves with the jnp reference instead.
 """
 
 from kernels_cpu.attention import (
+    build_hash,
     kernel_problem,
     kernel_registered,
     ragged_paged_attention_cpu,
@@ -18,6 +19,7 @@ from kernels_cpu.attention import (
 )
 
 __all__ = [
+    "build_hash",
     "kernel_problem",
     "kernel_registered",
     "ragged_paged_attention_cpu",

@@ -29,7 +29,8 @@ from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
 from cbjax.paths import cache_dir
-from kernels_cpu.build import compiler, cpu_features, library_path
+from kernels_cpu import build_hash
+from kernels_cpu.build import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class StepCache:
     @staticmethod
     def kernel_build(backend: str) -> str:
         """The C++ kernel build a step calls (its FFI targets are named after it); "" for other backends."""
-        return library_path(compiler()).stem if backend == "cpp" else ""
+        return build_hash() if backend == "cpp" else ""
 
     @staticmethod
     def compile_fresh(lowered: jax.stages.Lowered, options: dict[str, Any] | None = None) -> tuple[Any, bool]:
