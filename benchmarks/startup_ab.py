@@ -6,7 +6,8 @@ Each checkout runs its own `cbjax.bench.startup` children (fresh processes, its 
 PYTHONPATH) with its own empty cache folder: one cold `LLM()` and one `cbjax generate --chat` fill
 it, then the warm runs alternate old, new, old, new, ... so both see the same machine load.
 With --cold-rounds N, N more cold `LLM()` runs each follow, alternated the same way, each in a
-new empty cache folder (compilation, weights and kernel caches all empty).
+new empty cache folder (compilation, weights and kernel caches all empty), with --options' engine
+options (JSON) if given.
 Prints one JSON object: every run, the medians and new/old ratios.
 """
 
@@ -24,13 +25,13 @@ from cbjax.bench.startup import _run, emit
 MODEL = "checkpoints/smollm2-135m-instruct"
 
 
-def child(tree: str, caches: str, kind: str) -> dict:
+def child(tree: str, caches: str, kind: str, options: str = "{}") -> dict:
     """One fresh process of `tree`, run in it (`python -m` puts the working folder first on sys.path):
     LLM() phases (kind "llm") or generate's first token (kind "generate")."""
     env = os.environ | {"CBJAX_CACHE_DIR": caches, "PYTHONPATH": tree}
     for name in ("CBJAX_DISABLE_COMPILE_CACHE", "CBJAX_KERNEL_CACHE", "CBJAX_DISABLE_WEIGHTS_CACHE"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "cbjax.bench.startup", "--child", kind, "--model", MODEL]
+    command = [sys.executable, "-m", "cbjax.bench.startup", "--child", kind, "--model", MODEL, "--options", options]
     stdout, first_byte, total, rss = _run(command + (["--flags="] if kind == "generate" else []), env, cwd=tree)
     record = {"process_s": round(total, 2), "peak_rss_mb": round(rss), "load_average": os.getloadavg()[0]}
     if kind == "generate":
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold-rounds", type=int, default=0, help="cold LLM() runs per checkout, alternated")
+    parser.add_argument("--options", default="{}", help="LLM options of the cold runs, as JSON (e.g. '{\"max_num_seqs\": 16}')")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     trees = {"old": os.path.realpath(args.old), "new": os.path.realpath(args.new)}
@@ -61,7 +63,7 @@ def main() -> None:
     for _ in range(args.cold_rounds):
         for side, tree in trees.items():
             with tempfile.TemporaryDirectory() as empty:
-                runs[side]["cold"].append(child(tree, empty, "llm"))
+                runs[side]["cold"].append(child(tree, empty, "llm", args.options))
             print(side, "cold", json.dumps(runs[side]["cold"][-1]), file=sys.stderr)
     median = lambda side, kind, field: statistics.median(  # noqa: E731
         r["phases_s"][field] if field in r.get("phases_s", {}) else r[field] for r in runs[side][kind])
