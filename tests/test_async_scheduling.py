@@ -129,22 +129,24 @@ def test_auto_overlaps_on_a_cpu_only_while_every_seat_is_taken(engine):
     """async_scheduling=None: a step is left in flight only when no seat is free; when a seat frees,
     the engine reads the step in flight before it schedules again, and nothing is lost."""
     engine.config.async_scheduling = None
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("first", {"prompt_token_ids": [5, 6, 7]}, params)
-    engine.step()
-    assert engine.in_flight is None  # 1 of 4 seats taken: synchronous
-    for index in range(3):
-        engine.add_request(f"more{index}", {"prompt_token_ids": [8 + index, 9]}, params)
-    engine.step()
-    assert engine.in_flight is not None  # all 4 taken: the step stays in flight
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
-    assert sorted(tokens) == ["first", "more0", "more1", "more2"] and all(len(t) == 6 for t in tokens.values())
-    assert_all_released(engine)
-    engine.config.async_scheduling = True
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("first", {"prompt_token_ids": [5, 6, 7]}, params)
+        engine.step()
+        assert engine.in_flight is None  # 1 of 4 seats taken: synchronous
+        for index in range(3):
+            engine.add_request(f"more{index}", {"prompt_token_ids": [8 + index, 9]}, params)
+        engine.step()
+        assert engine.in_flight is not None  # all 4 taken: the step stays in flight
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    tokens[output.request_id] = output.outputs[0].token_ids
+        assert sorted(tokens) == ["first", "more0", "more1", "more2"] and all(len(t) == 6 for t in tokens.values())
+        assert_all_released(engine)
+    finally:
+        engine.config.async_scheduling = True  # the module's engine is shared: a failure here must not leak the mode
 
 
 def test_stop_found_a_step_late_shows_no_extra_token(engine):
