@@ -33,6 +33,7 @@ from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
+from cbjax.engine.persistent_batch import PreparedStep, follow, prepared_step
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
@@ -158,6 +159,10 @@ class ModelRunner:
         # each request's row in them: the next step reads from there the tokens the host lacks.
         self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
         self._last_sampling_rows: dict[str, int] = {}
+        # The latest prepared step: a decode step over the same rows, one position on, follows it
+        # (persistent_batch.py) instead of being built row by row. Off: every step row by row.
+        self._prepared: PreparedStep | None = None
+        self.follow_decode_steps = True
         self.request_seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
         self.compiled: dict[Bucket, Any] = {}
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -422,6 +427,7 @@ class ModelRunner:
                 self.weights, self.kv_caches, self.penalty_state, self.last_sampled, pack(inputs)
             )
             result.block_until_ready()
+        self._prepared = None  # last_sampled now holds the warm-up's tokens: no step follows from it
 
     def peak_step_bytes(self) -> int:
         """Scratch memory of the largest decode and mixed steps, from XLA's own memory analysis.
@@ -468,6 +474,10 @@ class ModelRunner:
             self.penalty_slots.release(request_id)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
+        followed = follow(self._prepared, bucket, scheduled, self.block_size) if self.follow_decode_steps else None
+        if followed is not None:
+            inputs, self._prepared = followed
+            return bucket, inputs
         sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
         inputs = self._host_inputs(bucket, sampling_rows)
         # Per row only what differs in length (tokens, block ids); the rest as whole columns.
@@ -509,6 +519,7 @@ class ModelRunner:
         samples = np.fromiter((row.samples for row in rows), bool, num_rows)
         inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
         self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
+        self._prepared = prepared_step(bucket, scheduled, inputs)
         return bucket, inputs
 
     @staticmethod

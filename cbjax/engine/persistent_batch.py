@@ -1,0 +1,103 @@
+"""A decode step that follows the previous one row for row: its inputs moved on, not rebuilt.
+
+Most steps of a busy engine are decode steps over the same requests as the step before, each one
+position further on. vLLM keeps such a batch in persistent per-row arrays (its InputBatch) and
+rewrites only what changed; here the previous step's host inputs are copied and moved on by one
+position with whole-column numpy operations, and only the block-table rows that gained a block
+are written again. The runner's row-by-row `prepare` builds every other step (and this one's
+first), and the two must agree: tests/test_persistent_batch.py checks that they do.
+
+Each row's input token is taken on the device from the previous step's sampled tokens (row i
+sampled it there), whether or not the host has read it yet: the same token the row-by-row path
+would write, so the step computes the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jaxtyping import Int
+
+from cbjax.engine.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """What a prepared step leaves for the next one to follow."""
+
+    bucket: Any
+    requests: list[Any]  # its rows' requests, in row order
+    starts: Int[np.ndarray, "rows"]  # each row's first computed position
+    block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
+    inputs: Any  # its StepInputs (host numpy arrays; not written after it was packed)
+    # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
+    # after it, over the same rows, differs only by one position.
+    followable: bool
+
+
+def prepared_step(bucket: Any, scheduled: SchedulerOutput, inputs: Any) -> PreparedStep:
+    """Record a step the runner prepared row by row."""
+    rows = scheduled.scheduled
+    followable = (
+        scheduled.is_decode_only
+        and all(row.samples for row in rows)
+        and not (inputs.sampling.suppress_token_ids[: len(rows)] >= 0).any()
+    )
+    return PreparedStep(
+        bucket,
+        [row.request for row in rows],
+        np.fromiter((row.start for row in rows), np.int32, len(rows)),
+        np.fromiter((len(row.request.block_ids) for row in rows), np.int32, len(rows)),
+        inputs,
+        followable,
+    )
+
+
+def follow(previous: PreparedStep | None, bucket: Any, scheduled: SchedulerOutput,
+           block_size: int) -> tuple[Any, PreparedStep] | None:
+    """This step's inputs moved on from `previous`'s, if it is a decode step over the same rows one
+    position further on (same bucket); else None (prepare it row by row)."""
+    rows = scheduled.scheduled
+    if (
+        previous is None
+        or not previous.followable
+        or bucket != previous.bucket
+        or scheduled.preempted_request_ids
+        or not scheduled.is_decode_only
+        or len(rows) != len(previous.requests)
+    ):
+        return None
+    requests = [row.request for row in rows]
+    if requests != previous.requests:  # identity: a Request compares by id
+        return None
+    num_rows = len(rows)
+    starts = np.fromiter((row.start for row in rows), np.int32, num_rows)
+    if not np.array_equal(starts, previous.starts + 1):
+        return None
+    old = previous.inputs
+    attn = dataclasses.replace(
+        old.attention,
+        block_tables=old.attention.block_tables.copy(),
+        seq_lens=old.attention.seq_lens.copy(),
+        slot_mapping=old.attention.slot_mapping.copy(),
+    )
+    block_counts = np.fromiter((len(request.block_ids) for request in requests), np.int32, num_rows)
+    grown = np.flatnonzero(block_counts != previous.block_counts)
+    for i in grown.tolist():  # a new block every block_size tokens: a few rows a step
+        attn.block_tables[i, : block_counts[i]] = requests[i].block_ids
+    positions = old.positions.copy()
+    positions[:num_rows] = starts
+    attn.seq_lens[:num_rows] = starts + 1
+    attn.slot_mapping[:num_rows] = attn.block_tables[np.arange(num_rows), starts // block_size] * block_size + starts % block_size
+    token_sources = old.token_sources.copy()
+    token_sources[:num_rows] = np.arange(num_rows)  # row i's token: what row i sampled in the previous step
+    token_ids = old.token_ids.copy()
+    token_ids[:num_rows] = 0
+    sampling = dataclasses.replace(old.sampling, counters=old.sampling.counters.copy())
+    sampling.counters[:num_rows] += 1
+    inputs = dataclasses.replace(old, token_ids=token_ids, token_sources=token_sources, positions=positions,
+                                 attention=attn, sampling=sampling)
+    return inputs, PreparedStep(bucket, requests, starts, block_counts, inputs, True)
+
