@@ -29,6 +29,8 @@ class Tokenizer:
         self._eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.source = source
+        # Each token's text decoded alone, by skip_special_tokens: filled as tokens are met.
+        self._token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -65,6 +67,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """One token's text decoded alone; cached, as the detokenizer asks it of nearly every token."""
+        texts = self._token_texts[skip_special_tokens]
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     @property
     def vocab_size(self) -> int:
@@ -145,7 +155,11 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        # The backend's own decode: called twice per token of every request, the wrapper's copy shows.
+        # Called twice per token of every request. The second call, once the window has moved on,
+        # is nearly always of the one newest token: cached.
+        if len(token_ids) == 1:
+            return self.tokenizer.decode_token(token_ids[0], self.skip_special_tokens)
+        # The backend's own decode: the wrapper's copy shows.
         return self.tokenizer.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
 

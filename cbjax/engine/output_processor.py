@@ -8,6 +8,7 @@ and a DELTA request (a server's stream) only what is new since its previous one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
@@ -98,7 +99,7 @@ class OutputProcessor:
         self, token_id: int, logprob: float, rank: int, top_token_ids: list[int], top_logprobs: list[float]
     ) -> dict[int, Logprob]:
         """vLLM's dict: the chosen token first with its true rank, then the top N ranked 1..N."""
-        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        decode = functools.partial(self.tokenizer.decode_token, skip_special_tokens=False)
         entry = {token_id: Logprob(logprob, rank, decode(token_id))}
         for top_rank, (top_id, top_logprob) in enumerate(zip(top_token_ids, top_logprobs), start=1):
             entry[top_id] = Logprob(top_logprob, top_rank, decode(top_id))

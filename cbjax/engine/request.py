@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self._value_)  # by value: an enum member's hash is computed in Python
 
 
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED._value_
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED.value: "stop",
     RequestStatus.FINISHED_LENGTH.value: "length",
@@ -88,7 +89,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        # RequestStatus.is_finished without a second property call: asked several times a step of every request.
+        return self.status._value_ >= _FIRST_FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
