@@ -6,8 +6,9 @@
 Each round runs the old checkout's and this one's `cbjax bench host` (same workload, one repeat
 each) one after the other, in alternating order, so both see the same machine load; the table
 gives each setting's median over the rounds of the host CPU per step (the process's CPU time,
-which the other processes on a shared machine barely move) and new / old. The old checkout
-builds every request's output every step (cumulative); the new one runs --output-kinds.
+which the other processes on a shared machine barely move) and new / old. By default the old
+checkout is one that builds every request's output every step (cumulative) and the new one runs
+--output-kinds; with --same-output-kinds both run --output-kinds and each kind is compared with itself.
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ def main() -> None:
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 5.0])
     p.add_argument("--variants", nargs="+", default=["greedy", "penalties+stop"])
     p.add_argument("--output-kinds", nargs="+", default=["final_only", "delta", "cumulative"], help="the new side's")
+    p.add_argument("--same-output-kinds", action="store_true",
+                   help="the old checkout has --output-kinds too: run it with the same ones and compare kind with kind")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     sides = {"old": (pathlib.Path(args.old).resolve(), []),
              "new": (pathlib.Path(args.new).resolve(), ["--output-kinds", *args.output_kinds])}
+    if args.same_output_kinds:
+        sides["old"] = (sides["old"][0], sides["new"][1])
     runs = []
     for round_index in range(args.rounds):
         for side in (["old", "new"] if round_index % 2 == 0 else ["new", "old"]):
@@ -70,13 +75,20 @@ def main() -> None:
                       and r["output_kind"] == kind]
             return statistics.median(values) if values else None
 
-        old = median("old", "cumulative")
-        row = dict(zip(SETTING, setting)) | {"old_cumulative": old}
+        row = dict(zip(SETTING, setting))
+        if not args.same_output_kinds:
+            row["old_cumulative"] = median("old", "cumulative")
         for kind in args.output_kinds:
-            new = median("new", kind)
+            old_kind = kind if args.same_output_kinds else "cumulative"
+            old, new = median("old", old_kind), median("new", kind)
+            if args.same_output_kinds:
+                row[f"old_{kind}"] = old
             row |= {f"new_{kind}": new, f"ratio_{kind}": new / old if new and old else None,
                     f"wall_new_{kind}": median("new", kind, "wall_ms_per_step")}
-        row["wall_old_cumulative"] = median("old", "cumulative", "wall_ms_per_step")
+            if args.same_output_kinds:
+                row[f"wall_old_{kind}"] = median("old", kind, "wall_ms_per_step")
+        if not args.same_output_kinds:
+            row["wall_old_cumulative"] = median("old", "cumulative", "wall_ms_per_step")
         rows.append(row)
     print_table(rows, list(rows[0]))
     write_json(args.result_json, {"rows": rows, "runs": runs, "args": vars(args)})

@@ -24,6 +24,7 @@ class RequestText:
 
     prompt: str | None
     detokenizer: IncrementalDetokenizer
+    longest_stop: int  # the longest stop string's length (0: none), asked of every token
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -53,6 +54,7 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             ),
+            longest_stop=max(map(len, params.stop), default=0),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
@@ -86,7 +88,7 @@ class OutputProcessor:
         if not params.stop or not delta or request.num_output_tokens <= params.min_tokens:
             return None
         # Only a window around the new text can hold a stop string that was not there before.
-        window_start = max(0, len(state.text) - len(delta) - max(map(len, params.stop)) + 1)
+        window_start = max(0, len(state.text) - len(delta) - state.longest_stop + 1)
         for stop in params.stop:
             index = state.text.find(stop, window_start)
             if index != -1:
@@ -134,7 +136,7 @@ class OutputProcessor:
         params, text_end = request.sampling_params, len(state.text)
         if not request.is_finished and params.stop and not params.include_stop_str_in_output:
             # As vLLM streams: hold back the characters that may yet begin a stop string.
-            text_end = max(0, text_end - max(map(len, params.stop)) + 1)
+            text_end = max(0, text_end - state.longest_stop + 1)
         logprobs = state.logprobs
         if delta:
             # A stop string found later can cut the text below what was sent; nothing can be unsent.
