@@ -2,18 +2,20 @@
 
     python -m benchmarks.host_phases --num-running 256 --variant greedy --output-kind final_only
 
-Wraps the engine's own methods (schedule, prepare, launch, collect, update, process_token, the
-whole step) to add up the process's CPU time in each, over the steps of --repeats runs alternating
-between one stand-in engine per max_model_len (`cbjax bench host`'s). The phases nest (launch and
-prepare are inside step; process_token inside step's recording), so they do not add up to step;
-what step has beyond them is the rest of the loop (the engine's bookkeeping, outputs). The wrappers
-cost some CPU of their own.
+Wraps the engine's own methods (schedule, prepare, launch, collect, update, process_token,
+make_output, the whole step) to add up the process's CPU time in each, per engine step, over
+--repeats runs alternating between one stand-in engine per max_model_len (`cbjax bench host`'s).
+Two tables: the mean per step over whole runs (prompt steps included), and the median per step
+over the steady steps, those that launch a decode step of all --num-running requests (what
+`cbjax bench host` measures). The phases nest (launch and prepare are inside step; process_token
+inside step's recording), so they do not add up to step; what step has beyond them is the rest of
+the loop (the engine's bookkeeping, outputs). The wrappers cost some CPU of their own.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import statistics
 import time
 from typing import Any
 
@@ -22,21 +24,30 @@ from cbjax.bench.host import add_host_parser, build_standin_engine, run_host
 
 PHASES = {"scheduler": ["schedule", "update"], "runner": ["prepare", "launch", "collect"],
           "output_processor": ["process_token", "make_output"], "engine": ["step"]}
+NAMES = [name for names in PHASES.values() for name in names]
 
 
-def time_phases(engine: Any, cpu: dict[str, float]) -> None:
-    """Make each phase's method add its process CPU time to cpu[name]."""
+def time_phases(engine: Any, steps: list[dict[str, float]]) -> None:
+    """Make each engine step append to `steps` its phases' process CPU time and the decode rows it launched."""
+    current: dict[str, float] = {}
     for owner, names in PHASES.items():
         target = engine if owner == "engine" else getattr(engine, owner)
         for name in names:
             method = getattr(target, name)
 
             def timed(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+                if _name == "step":
+                    current.clear()
+                elif _name == "prepare":
+                    scheduled = args[0]
+                    current["decode_rows"] = len(scheduled.scheduled) if scheduled.is_decode_only else 0
                 start = time.process_time()
                 try:
                     return _method(*args, **kwargs)
                 finally:
-                    cpu[_name] += time.process_time() - start
+                    current[_name] = current.get(_name, 0.0) + time.process_time() - start
+                    if _name == "step":
+                        steps.append(dict(current))
 
             setattr(target, name, timed)
 
@@ -54,19 +65,23 @@ def main() -> None:
     add_host_parser(host_parser.add_subparsers())
     host_args = host_parser.parse_args(["host", "--model", args.model, "--num-running", str(args.num_running)])
     engines = {length: build_standin_engine(host_args, length) for length in args.lengths}
-    cpu = {length: collections.defaultdict(float) for length in args.lengths}
-    num_steps = collections.Counter()
+    steps: dict[int, list[dict[str, float]]] = {length: [] for length in args.lengths}
     for length, (engine, timeline) in engines.items():
         run_host(engine, timeline, 16, host_args.prompt_len, host_args.output_len, args.variant, 0.0)  # warm-up
-        time_phases(engine, cpu[length])
+        time_phases(engine, steps[length])
     for repeat in range(args.repeats):
         for length, (engine, timeline) in (list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]):
-            run = run_host(engine, timeline, args.num_running, host_args.prompt_len, host_args.output_len,
-                           args.variant, 0.0, "on", args.output_kind)
-            num_steps[length] += run["num_steps"]
-    phases = [name for names in PHASES.values() for name in names]
-    print_table([{"max_model_len": length} | {f"{name}_ms": cpu[length][name] / num_steps[length] * 1e3 for name in phases}
-                 for length in args.lengths], ["max_model_len", *(f"{name}_ms" for name in phases)])
+            run_host(engine, timeline, args.num_running, host_args.prompt_len, host_args.output_len,
+                     args.variant, 0.0, "on", args.output_kind)
+    columns = ["max_model_len", *(f"{name}_ms" for name in NAMES)]
+    print("mean per step, whole runs:")
+    print_table([{"max_model_len": length} | {f"{name}_ms": sum(s.get(name, 0.0) for s in runs) / len(runs) * 1e3
+                                              for name in NAMES} for length, runs in steps.items()], columns)
+    print(f"median per step, steps launching a decode of all {args.num_running} requests:")
+    steady = {length: [s for s in runs if s.get("decode_rows") == args.num_running] for length, runs in steps.items()}
+    print_table([{"max_model_len": length, "num_steps": len(runs)}
+                 | {f"{name}_ms": statistics.median(s.get(name, 0.0) for s in runs) * 1e3 for name in NAMES}
+                 for length, runs in steady.items()], ["max_model_len", "num_steps", *columns[1:]])
 
 
 if __name__ == "__main__":

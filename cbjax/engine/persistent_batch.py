@@ -31,7 +31,7 @@ class PreparedStep:
     requests: list[Any]  # its rows' requests, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
-    inputs: Any  # its StepInputs (host numpy arrays; not written after it was packed)
+    inputs: Any  # its StepInputs (host numpy arrays; only the block table is written after it was packed)
     # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
     # after it, over the same rows, differs only by one position.
     followable: bool
@@ -77,12 +77,11 @@ def follow(previous: PreparedStep | None, bucket: Any, scheduled: SchedulerOutpu
     if not np.array_equal(starts, previous.starts + 1):
         return None
     old = previous.inputs
-    attn = dataclasses.replace(
-        old.attention,
-        block_tables=old.attention.block_tables.copy(),
-        seq_lens=old.attention.seq_lens.copy(),
-        slot_mapping=old.attention.slot_mapping.copy(),
-    )
+    # The block table (rows x max_model_len / block_size: the one input that grows with
+    # max_model_len) is written in place: the previous step's copy was packed already, and what
+    # reads a launched step's inputs later (its prompt logprobs' targets) never reads it.
+    attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
+                               slot_mapping=old.attention.slot_mapping.copy())
     block_counts = np.fromiter((len(request.block_ids) for request in requests), np.int32, num_rows)
     grown = np.flatnonzero(block_counts != previous.block_counts)
     for i in grown.tolist():  # a new block every block_size tokens: a few rows a step
