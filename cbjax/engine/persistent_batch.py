@@ -2,9 +2,9 @@
 
 Most steps of a busy engine are decode steps over the same requests as the step before, each one
 position further on. vLLM keeps such a batch in persistent per-row arrays (its InputBatch) and
-rewrites only what changed; here the previous step's host inputs are copied and moved on by one
-position with whole-column numpy operations, and only the block-table rows that gained a block
-are written again. The runner's row-by-row `prepare` builds every other step (and this one's
+rewrites only what changed; here the previous step's host inputs are moved on by one position
+with whole-column numpy operations on copies, and the block table, the one input that grows with
+max_model_len, is kept: only its rows that gained a block are written again. The runner's row-by-row `prepare` builds every other step (and this one's
 first), and the two must agree: tests/test_persistent_batch.py checks that they do.
 
 Each row's input token is taken on the device from the previous step's sampled tokens (row i
@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
+from cbjax.engine.buckets import Bucket
+from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
 
 
@@ -27,17 +29,17 @@ from cbjax.engine.scheduler import SchedulerOutput
 class PreparedStep:
     """What a prepared step leaves for the next one to follow."""
 
-    bucket: Any
-    requests: list[Any]  # its rows' requests, in row order
+    bucket: Bucket
+    requests: list[Request]  # its rows' requests, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
-    inputs: Any  # its StepInputs (host numpy arrays; only the block table is written after it was packed)
+    inputs: Any  # its runner.StepInputs (host numpy arrays; only the block table is written after it was packed)
     # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
     # after it, over the same rows, differs only by one position.
     followable: bool
 
 
-def prepared_step(bucket: Any, scheduled: SchedulerOutput, inputs: Any) -> PreparedStep:
+def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any) -> PreparedStep:
     """Record a step the runner prepared row by row."""
     rows = scheduled.scheduled
     followable = (
@@ -55,7 +57,7 @@ def prepared_step(bucket: Any, scheduled: SchedulerOutput, inputs: Any) -> Prepa
     )
 
 
-def follow(previous: PreparedStep | None, bucket: Any, scheduled: SchedulerOutput,
+def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOutput,
            block_size: int) -> tuple[Any, PreparedStep] | None:
     """This step's inputs moved on from `previous`'s, if it is a decode step over the same rows one
     position further on (same bucket); else None (prepare it row by row)."""
@@ -99,4 +101,3 @@ def follow(previous: PreparedStep | None, bucket: Any, scheduled: SchedulerOutpu
     inputs = dataclasses.replace(old, token_ids=token_ids, token_sources=token_sources, positions=positions,
                                  attention=attn, sampling=sampling)
     return inputs, PreparedStep(bucket, requests, starts, block_counts, inputs, True)
-
