@@ -30,6 +30,7 @@ def make(mod, max_model_len, num_seqs):
     r.buckets = compute_buckets(num_seqs, 512)
     r._last_sampling_rows = {}
     r.request_seeds = {}
+    r._prepared, r.follow_decode_steps = None, False  # every step row by row (persistent_batch.py aside)
     return r
 
 def workload(num_seqs, rng, mixed):
