@@ -26,7 +26,7 @@ import jax
 step_programs = []  # every jitted step JAX lowers (it logs each lowering at DEBUG, with the function's name)
 class CountSteps(logging.Handler):
     def emit(self, record):
-        if record.msg.startswith("Compiling ") and record.args[0] == "jit(step)":
+        if record.msg.startswith("Compiling ") and record.args[0].startswith("jit(step"):  # jit(step_<its cache key>)
             step_programs.append(record.args[0])
 pxla_log = logging.getLogger("jax._src.interpreters.pxla")
 pxla_log.setLevel(logging.DEBUG)
@@ -35,7 +35,7 @@ events = {}
 jax.monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
 from cbjax import LLM, SamplingParams
 # 4 buckets: decode 8 and 16 rows, mixed 16 and 32 tokens of 16 rows.
-llm = LLM(sys.argv[1], max_num_seqs=16, max_model_len=64, max_num_batched_tokens=32, block_size=8)
+llm = LLM(sys.argv[1], max_num_seqs=16, max_model_len=64, max_num_batched_tokens=32, block_size=8, seed=int(sys.argv[2]))
 out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                    use_tqdm=False)
 requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
@@ -45,10 +45,10 @@ print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/
 """
 
 
-def run_engine_process(checkpoint: Path, cache: Path) -> dict:
+def run_engine_process(checkpoint: Path, cache: Path, seed: int = 0) -> dict:
     env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     env.pop(DISABLE_ENV, None)
-    result = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), str(seed)], env=env, capture_output=True, text=True,
                             timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -66,6 +66,19 @@ def test_second_engine_in_a_new_process_compiles_nothing(tmp_path):
     assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4)
     # The second process loads the compiled steps whole: it does not even trace them.
     assert second["step_programs"] == 0
+
+
+def test_options_that_trace_to_the_same_programs_get_their_own_stored_steps(tmp_path):
+    """Another seed changes no step program but the step cache's key (as a code change would): that
+    engine compiles its steps afresh instead of taking JAX's cached ones, which could not be stored,
+    so the next start with the same options loads them whole."""
+    _, checkpoint = make_tiny_checkpoint(tmp_path)
+    first = run_engine_process(checkpoint, tmp_path / "cache", seed=0)
+    other = run_engine_process(checkpoint, tmp_path / "cache", seed=1)
+    assert other["step_programs"] == first["step_programs"] and other["compiles"] >= other["step_programs"]
+    again = run_engine_process(checkpoint, tmp_path / "cache", seed=1)
+    assert again["step_programs"] == 0 and again["compiles"] == 0
+    assert first["tokens"] == other["tokens"] == again["tokens"]  # greedy: the seed changes nothing
 
 
 def test_cache_is_on_by_default_and_off_by_none_or_the_env_flag(tmp_path, monkeypatch):

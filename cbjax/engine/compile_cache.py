@@ -121,7 +121,9 @@ class StepCache:
     its program is made from: the sources of the packages it is traced from, the jax version,
     device and CPU (the folder, see compile_cache_folder), XLA flags and jax's settings, the
     model's structure and the shapes, dtypes and shardings of every argument. A key it does not
-    have falls through to tracing and JAX's cache, then stores the executable.
+    have falls through to tracing and a fresh compile, then stores the executable: the runner
+    names each step program after its key here, so JAX's cache cannot hand back one compiled
+    under another key (see compile_fresh for why that one could not be stored).
     """
 
     def __init__(self, folder: pathlib.Path):

@@ -232,7 +232,7 @@ class ModelRunner:
 
     # ---- the step -----------------------------------------------------------
 
-    def _step_fn(self, bucket: Bucket, backend: str):
+    def _step_fn(self, bucket: Bucket, backend: str, name: str = "step"):
         graphdef, layout, num_logprobs = self.graphdef, self._layouts[bucket], self.config.max_logprobs
         state_treedef = self._state_treedef
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
@@ -264,6 +264,7 @@ class ModelRunner:
             last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
             return kv_caches, penalty_state, last_sampled, pack_device(outputs)
 
+        step.__name__ = step.__qualname__ = name  # the program's name, part of JAX's persistent cache key
         return jax.jit(step, donate_argnums=(1, 2, 3), **self._shardings)
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
@@ -363,8 +364,13 @@ class ModelRunner:
         if wait_for_kernel:
             self._kernel_ready()
         deferred = registration_deferred() if self.backend == "cpp" else contextlib.nullcontext()
+        # A step the step cache stores is named after its key there, so JAX's persistent cache (keyed
+        # by the program, name included) never hands it an executable compiled under another key:
+        # for other engine options or older code that traced to the same program. Such an executable
+        # cannot be stored (StepCache.compile_fresh), and every later start would trace again.
+        name = "step" if self.step_cache is None else f"step_{self._step_key(bucket)}"
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
-            return self._step_fn(bucket, self.backend).lower(
+            return self._step_fn(bucket, self.backend, name).lower(
                 self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self._packed_struct(bucket)
             )
 
