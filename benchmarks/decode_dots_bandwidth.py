@@ -1,0 +1,71 @@
+"""How fast XLA:CPU's dots read the weights in a decode step, against how fast the machine streams them.
+
+    PYTHONPATH=. python -m benchmarks.decode_dots_bandwidth --result-json bench_results/decode_dots_bandwidth.json
+    taskset -c 0 python -m benchmarks.decode_dots_bandwidth      # the same on one core
+
+A decode step of a small model reads every weight once for a handful of rows: at 8-16 rows it
+should run at the machine's memory bandwidth. This times (median of --calls) a jitted sum over an
+array the size of SmolLM2-135M's float32 weights (the streaming rate), and the 30 layers of
+SmolLM2-shaped projections (q/k/v, o, gate/up, down; float32, the weights laid out [in, out] as
+the model's) at 8, 16 and 64 rows, and reports each as GB/s of weights read and GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from cbjax.bench.common import print_table, write_json
+
+HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
+
+
+def median_ms(fn, *args, calls: int) -> float:
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def projections(h, layers):
+    for qkv, o, gate_up, down in layers:
+        h = h + (h @ qkv)[:, :HIDDEN] @ o
+        g = h @ gate_up
+        h = h + (g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:]) @ down
+    return h
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64])
+    p.add_argument("--calls", type=int, default=7)
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args()
+    key = jax.random.key(0)
+    layers = [tuple(jax.random.normal(jax.random.fold_in(key, 4 * i + j), shape, jnp.float32) * 0.02
+                    for j, shape in enumerate([(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]))
+              for i in range(LAYERS)]
+    weight_bytes = sum(w.nbytes for layer in layers for w in layer)
+    flat = jnp.ones(weight_bytes // 4, jnp.float32)
+    rows = [{"what": "sum over the same bytes", "rows": 0,
+             "ms": (ms := median_ms(jax.jit(jnp.sum), flat, calls=args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
+    step = jax.jit(projections)
+    for num_rows in args.rows:
+        h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
+        ms = median_ms(step, h, layers, calls=args.calls)
+        rows.append({"what": "30 layers of projections", "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
+                     "gflop_per_s": 2 * num_rows * weight_bytes / 4 / ms / 1e6})
+    print(f"{weight_bytes / 1e6:.0f} MB of float32 weights, {jax.devices()[0].platform}")
+    print_table(rows, ["what", "rows", "ms", "gb_per_s", "gflop_per_s"])
+    write_json(args.result_json, {"weight_bytes": weight_bytes, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
