@@ -1,10 +1,10 @@
 """Times the skinny-dot prototype (skinny_dot.cc) on SmolLM2's 30 layers of projections, as
 benchmarks/decode_dots_bandwidth.py times XLA's dots on the same shapes.
 
-    python benchmarks/skinny_dot/run.py        (needs g++ with OpenMP and an AVX-512 CPU)
+    python benchmarks/skinny_dot/run.py [ROWS ...]     (default 8 16 64; needs g++ with OpenMP and AVX-512)
 
 Builds the prototype into a temporary folder (g++ -O3 -march=native -fopenmp), checks one
-product against numpy, then prints ms, GB/s of weights and GFLOP/s at 8, 16 and 64 rows on one
+product against numpy, then prints ms, GB/s of weights and GFLOP/s at each number of rows on one
 and two threads (median of 9 passes, each a ctypes call per projection).
 """
 
@@ -14,12 +14,14 @@ import ctypes
 import pathlib
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
+ROWS = [int(r) for r in sys.argv[1:]] or [8, 16, 64]
 
 
 def build() -> ctypes.CDLL:
@@ -56,7 +58,7 @@ def main() -> None:
         y = np.empty((11, 2 * INTERMEDIATE), np.float32)
         matmul(x, weights[0][2], y, 2, layout)
         print(f"{layout}: max |prototype - numpy| = {np.abs(y - x @ layers[0][2]).max():.2e}")
-    for rows in (8, 16, 64):
+    for rows in ROWS:
         inputs = {k: rng.standard_normal((rows, k)).astype(np.float32) for k in (HIDDEN, INTERMEDIATE)}
         outputs = [[np.empty((rows, w.shape[1]), np.float32) for w in layer] for layer in layers]
         for layout, weights, threads in [(layout, weights, threads) for layout, weights in
