@@ -1,7 +1,7 @@
 """Times the skinny-dot prototype (skinny_dot.cc) on SmolLM2's 30 layers of projections, as
 benchmarks/decode_dots_bandwidth.py times XLA's dots on the same shapes.
 
-    python benchmarks/skinny_dot/run.py [ROWS ...]     (default 8 16 64; needs g++ with OpenMP and AVX-512)
+    [TILE_ROWS=12] python benchmarks/skinny_dot/run.py [ROWS ...]   (default 8 16 64; g++ with OpenMP, AVX-512)
 
 Builds the prototype into a temporary folder (g++ -O3 -march=native -fopenmp), checks one
 product against numpy, then prints ms, GB/s of weights and GFLOP/s at each number of rows on one
@@ -11,6 +11,7 @@ and two threads (median of 9 passes, each a ctypes call per projection).
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ import numpy as np
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
 ROWS = [int(r) for r in sys.argv[1:]] or [8, 16, 64]
+TILE_ROWS = int(os.environ.get("TILE_ROWS", "8"))  # rows of sums a pass keeps in registers: 8 or 12
 
 
 def build() -> ctypes.CDLL:
@@ -31,6 +33,7 @@ def build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     for function in (lib.skinny_matmul, lib.skinny_matmul_packed):
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.set_tile_rows(TILE_ROWS)
     return lib
 
 

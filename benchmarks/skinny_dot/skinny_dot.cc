@@ -1,9 +1,9 @@
 // A first try at a skinny-matrix dot for decode steps (benchmarks/skinny_dot/run.py builds and
-// times it): y[M,N] = x[M,K] @ w[K,N] in float32, w in the model's [in, out] layout, N a multiple
-// of 32. Each thread takes a range of 32-column panels; a panel keeps 8 rows x 32 columns of sums
-// in AVX-512 registers while it walks down K. Measured slower than XLA's own dots (BENCHMARKS.md):
-// walking one panel down an [in, out] matrix reads 128 bytes per row, one row (N x 4 bytes)
-// apart, which the hardware prefetchers do not follow.
+// times it): y[M,N] = x[M,K] @ w[K,N] in float32, N a multiple of 32. Each thread takes a range of
+// 32-column panels; a pass keeps 8 (or 12) rows x 32 columns of sums in AVX-512 registers while it
+// walks down K. On the model's [in, out] layout it is slower than XLA's own dots (BENCHMARKS.md):
+// a panel is 128 bytes of each row, rows N x 4 bytes apart, which the hardware prefetchers do not
+// follow. With each panel packed contiguous ([N / 32][K][32]) it streams the weights.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -11,32 +11,44 @@
 
 // row_stride: floats from one k to the next within a panel (N for the [in, out] layout, 32 for
 // panels packed one after another, [N / 32][K][32]); panel_stride: floats from one panel to the next.
+// R rows x 32 columns of sums stay in registers while a pass walks down K (2R + 3 of the 32).
+template <int R>
+static void pass(const float* x, const float* wp, float* y, int64_t rows, int64_t K, int64_t N, int64_t n,
+                 int64_t row_stride) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, wp += row_stride) {
+    _mm_prefetch((const char*)(wp + 8 * row_stride), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+    for (int r = 0; r < R; ++r) {  // a full pass unrolls; the last one reads padding rows it never stores
+      const __m512 xv = _mm512_set1_ps(x[std::min<int64_t>(r, rows - 1) * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(y + r * N + n, acc[r][0]);
+    _mm512_storeu_ps(y + r * N + n + 16, acc[r][1]);
+  }
+}
+
+static int tile_rows = 8;  // set by set_tile_rows: 8 or 12
+
 static void chunk(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
                   int64_t row_stride, int64_t panel_stride) {
-  // 32 columns (2 vectors) at a time, rows in passes of 8.
   for (int64_t n = n0; n < n1; n += 32) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - m0);
-      __m512 acc[8][2];
-      for (int r = 0; r < 8; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
-      const float* wp = w + (n / 32) * panel_stride;
-      for (int64_t k = 0; k < K; ++k, wp += row_stride) {
-        _mm_prefetch((const char*)(wp + 8 * row_stride), _MM_HINT_T0);
-        const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
-        for (int r = 0; r < 8; ++r) {
-          if (r >= rows) break;
-          const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
-          acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        _mm512_storeu_ps(y + (m0 + r) * N + n, acc[r][0]);
-        _mm512_storeu_ps(y + (m0 + r) * N + n + 16, acc[r][1]);
-      }
+    const float* wp = w + (n / 32) * panel_stride;
+    for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+      const int64_t rows = std::min<int64_t>(tile_rows, M - m0);
+      if (tile_rows == 12)
+        pass<12>(x + m0 * K, wp, y + m0 * N, rows, K, N, n, row_stride);
+      else
+        pass<8>(x + m0 * K, wp, y + m0 * N, rows, K, N, n, row_stride);
     }
   }
 }
+
+extern "C" void set_tile_rows(int rows) { tile_rows = rows; }
 
 static void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int threads,
                 int64_t row_stride, int64_t panel_stride) {
