@@ -6,8 +6,8 @@
 A decode step of a small model reads every weight once for a handful of rows: at 8-16 rows it
 should run at the machine's memory bandwidth. This times (median of --calls) a jitted sum over an
 array the size of SmolLM2-135M's float32 weights (the streaming rate), and the 30 layers of
-SmolLM2-shaped projections (q/k/v, o, gate/up, down; float32, the weights laid out [in, out] as
-the model's) at 8, 16 and 64 rows, and reports each as GB/s of weights read and GFLOP/s.
+SmolLM2-shaped projections (q/k/v, o, gate/up, down; float32 or, with --dtype bfloat16, as the
+engine's bf16 mode; the weights laid out [in, out] as the model's) at each of --rows, and reports each as GB/s of weights read and GFLOP/s.
 """
 
 from __future__ import annotations
@@ -42,27 +42,42 @@ def projections(h, layers):
     return h
 
 
+def bf16_projections(h, layers):
+    """nnx.Linear with bfloat16 weights and float32 activations (cbjax's CPU bf16 mode): inputs
+    rounded to bfloat16, products summed in float32."""
+    dot = lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)  # noqa: E731
+    for qkv, o, gate_up, down in layers:
+        h = h + dot(dot(h, qkv)[:, :HIDDEN], o)
+        g = dot(h, gate_up)
+        h = h + dot(g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:], down)
+    return h
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--calls", type=int, default=7)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights'; bfloat16 as the engine runs it on a CPU: inputs rounded to bfloat16, sums in float32")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     key = jax.random.key(0)
-    layers = [tuple(jax.random.normal(jax.random.fold_in(key, 4 * i + j), shape, jnp.float32) * 0.02
+    dtype = jnp.dtype(args.dtype)
+    layers = [tuple((jax.random.normal(jax.random.fold_in(key, 4 * i + j), shape, jnp.float32) * 0.02).astype(dtype)
                     for j, shape in enumerate([(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]))
               for i in range(LAYERS)]
     weight_bytes = sum(w.nbytes for layer in layers for w in layer)
+    num_weights = sum(w.size for layer in layers for w in layer)
     flat = jnp.ones(weight_bytes // 4, jnp.float32)
     rows = [{"what": "sum over the same bytes", "rows": 0,
              "ms": (ms := median_ms(jax.jit(jnp.sum), flat, calls=args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
-    step = jax.jit(projections)
+    step = jax.jit(projections if dtype == jnp.float32 else bf16_projections)
     for num_rows in args.rows:
         h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
         ms = median_ms(step, h, layers, calls=args.calls)
         rows.append({"what": "30 layers of projections", "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
-                     "gflop_per_s": 2 * num_rows * weight_bytes / 4 / ms / 1e6})
-    print(f"{weight_bytes / 1e6:.0f} MB of float32 weights, {jax.devices()[0].platform}")
+                     "gflop_per_s": 2 * num_rows * num_weights / ms / 1e6})
+    print(f"{weight_bytes / 1e6:.0f} MB of {args.dtype} weights, {jax.devices()[0].platform}")
     print_table(rows, ["what", "rows", "ms", "gb_per_s", "gflop_per_s"])
     write_json(args.result_json, {"weight_bytes": weight_bytes, "rows": rows})
 
