@@ -4,8 +4,9 @@ Most steps of a busy engine are decode steps over the same requests as the step 
 position further on. vLLM keeps such a batch in persistent per-row arrays (its InputBatch) and
 rewrites only what changed; here the previous step's host inputs are moved on by one position
 with whole-column numpy operations on copies, and the block table, the one input that grows with
-max_model_len, is kept: only its rows that gained a block are written again. The runner's row-by-row `prepare` builds every other step (and this one's
-first), and the two must agree: tests/test_persistent_batch.py checks that they do.
+max_model_len, is kept: only its rows that gained a block are written again. The runner's
+row-by-row `prepare` builds every other step (and this one's first), and the two must agree:
+tests/test_persistent_batch.py checks that they do.
 
 Each row's input token is taken on the device from the previous step's sampled tokens (row i
 sampled it there), whether or not the host has read it yet: the same token the row-by-row path
@@ -68,7 +69,6 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
         or bucket != previous.bucket
         or scheduled.preempted_request_ids
         or not scheduled.is_decode_only
-        or len(rows) != len(previous.requests)
     ):
         return None
     requests = [row.request for row in rows]
@@ -91,7 +91,7 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     positions = old.positions.copy()
     positions[:num_rows] = starts
     attn.seq_lens[:num_rows] = starts + 1
-    attn.slot_mapping[:num_rows] = attn.block_tables[np.arange(num_rows), starts // block_size] * block_size + starts % block_size
+    attn.slot_mapping[:num_rows] = slots(attn.block_tables, np.arange(num_rows), starts, block_size)
     token_sources = old.token_sources.copy()
     token_sources[:num_rows] = np.arange(num_rows)  # row i's token: what row i sampled in the previous step
     token_ids = old.token_ids.copy()
@@ -101,3 +101,9 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     inputs = dataclasses.replace(old, token_ids=token_ids, token_sources=token_sources, positions=positions,
                                  attention=attn, sampling=sampling)
     return inputs, PreparedStep(bucket, requests, starts, block_counts, inputs, True)
+
+
+def slots(block_tables: Int[np.ndarray, "reqs width"], rows: Int[np.ndarray, "tokens"],
+          positions: Int[np.ndarray, "tokens"], block_size: int) -> Int[np.ndarray, "tokens"]:
+    """Where each token's KV goes in the pool: its row's block for its position, and the offset in it."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size

@@ -33,7 +33,7 @@ from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
 from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
-from cbjax.engine.persistent_batch import PreparedStep, follow, prepared_step
+from cbjax.engine.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
@@ -518,7 +518,7 @@ class ModelRunner:
         inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
         inputs.token_prompt_lens[:num_tokens] = np.repeat(row_prompt_lens, counts)
         inputs.positions[:num_tokens] = positions
-        attn.slot_mapping[:num_tokens] = attn.block_tables[row_of_token, positions // bs] * bs + positions % bs
+        attn.slot_mapping[:num_tokens] = slots(attn.block_tables, row_of_token, positions, bs)
         attn.seq_lens[:num_rows] = starts + counts
         attn.query_start_loc[1 : num_rows + 1] = ends
         attn.query_start_loc[num_rows + 1 :] = num_tokens
