@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import pathlib
 import threading
 from collections.abc import Iterator
 
@@ -37,7 +38,7 @@ def _register_once() -> str:
     HLO, hence their cache key, and is never paired with a stale executable.
     """
     path = build()
-    build_hash = path.stem.rsplit("_", 1)[-1]
+    build_hash = _hash_of(path)
     library = ctypes.cdll.LoadLibrary(str(path))
     for kernel in KERNELS:
         for suffix in SUFFIXES.values():
@@ -49,7 +50,11 @@ def _register_once() -> str:
 
 def build_hash() -> str:
     """The hash the FFI targets of this machine's build are named with, known before the build exists."""
-    return library_path(compiler()).stem.rsplit("_", 1)[-1]
+    return _hash_of(library_path(compiler()))
+
+
+def _hash_of(library: pathlib.Path) -> str:
+    return library.stem.rsplit("_", 1)[-1]  # build.library_path names the library ..._<hash>.so
 
 
 def _target_suffix(k_pages: Array, v_pages: Array) -> str:
