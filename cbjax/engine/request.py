@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         # The finished statuses are the last ones; an int compare, not an enum hash (asked of every request every step).
-        return self._value_ >= RequestStatus.FINISHED_STOPPED._value_
+        return self._value_ >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self._value_)  # by value: an enum member's hash is computed in Python
 
 
-_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED._value_
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED._value_  # the finished statuses are this one and after
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED.value: "stop",
     RequestStatus.FINISHED_LENGTH.value: "length",

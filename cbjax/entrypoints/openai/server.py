@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry
 from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
 from cbjax.cli_args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
-from cbjax.heap import freeze_gc_heap
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.serving import ServerState
+from cbjax.heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
