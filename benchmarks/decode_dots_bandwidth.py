@@ -13,25 +13,14 @@ engine's bf16 mode; the weights laid out [in, out] as the model's) at each of --
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.cpu_steps import median_ms
 from cbjax.bench.common import print_table, write_json
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
-
-
-def median_ms(fn, *args, calls: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def projections(h, layers):
@@ -69,12 +58,13 @@ def main() -> None:
     weight_bytes = sum(w.nbytes for layer in layers for w in layer)
     num_weights = sum(w.size for layer in layers for w in layer)
     flat = jnp.ones(weight_bytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
     rows = [{"what": "sum over the same bytes", "rows": 0,
-             "ms": (ms := median_ms(jax.jit(jnp.sum), flat, calls=args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
+             "ms": (ms := median_ms(lambda: total(flat), args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
     step = jax.jit(projections if dtype == jnp.float32 else bf16_projections)
     for num_rows in args.rows:
         h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
-        ms = median_ms(step, h, layers, calls=args.calls)
+        ms = median_ms(lambda: step(h, layers), args.calls)
         rows.append({"what": "30 layers of projections", "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
                      "gflop_per_s": 2 * num_rows * num_weights / ms / 1e6})
     print(f"{weight_bytes / 1e6:.0f} MB of {args.dtype} weights, {jax.devices()[0].platform}")
