@@ -521,7 +521,7 @@ void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typena
       w.done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
   drain(*work);
   while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
