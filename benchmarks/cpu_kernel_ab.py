@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cbjax  # noqa: F401 - imports kernels_cpu in the order its package expects
-from kernels_cpu.build import FLAGS, SOURCE, compiler
+from kernels_cpu.build import FLAGS, SOURCES, compiler
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
@@ -88,7 +88,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="HEAD", help="git revision of variant A's source")
-    parser.add_argument("--source", default=str(SOURCE), help="variant B's source (default: the working tree's)")
+    parser.add_argument("--source", default=str(SOURCES[0]), help="variant B's source (default: the working tree's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--cases", nargs="*", default=list(CASES))

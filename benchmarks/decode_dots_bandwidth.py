@@ -8,14 +8,20 @@ should run at the machine's memory bandwidth. This times (median of --calls) a j
 array the size of SmolLM2-135M's float32 weights (the streaming rate), and the 30 layers of
 SmolLM2-shaped projections (q/k/v, o, gate/up, down; float32 or, with --dtype bfloat16, as the
 engine's bf16 mode; the weights laid out [in, out] as the model's) at each of --rows, and reports each as GB/s of weights read and GFLOP/s.
+
+With --packed (float32) the same projections also run through cbjax's C++ packed-panel matmul
+(kernels_cpu/packed_matmul.cc) over the weights packed as the engine packs them, timed
+alternately with XLA's dots in this process (`packed_over_xla`: XLA's ms over the kernel's).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.cpu_steps import median_ms
 from cbjax.bench.common import print_table, write_json
@@ -28,6 +34,17 @@ def projections(h, layers):
         h = h + (h @ qkv)[:, :HIDDEN] @ o
         g = h @ gate_up
         h = h + (g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:]) @ down
+    return h
+
+
+def packed_projections(h, layers):
+    """The same as projections(), each dot the C++ kernel over packed weights."""
+    from kernels_cpu import packed_matmul_cpu
+
+    for qkv, o, gate_up, down in layers:
+        h = h + packed_matmul_cpu(packed_matmul_cpu(h, qkv)[:, :HIDDEN], o)
+        g = packed_matmul_cpu(h, gate_up)
+        h = h + packed_matmul_cpu(g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:], down)
     return h
 
 
@@ -48,6 +65,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=7)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the weights'; bfloat16 as the engine runs it on a CPU: inputs rounded to bfloat16, sums in float32")
+    p.add_argument("--packed", action="store_true", help="also time the C++ packed-panel matmul (float32 only)")
+    p.add_argument("--rounds", type=int, default=1, help="alternated rounds of XLA and the kernel, with --packed")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     key = jax.random.key(0)
@@ -61,14 +80,28 @@ def main() -> None:
     total = jax.jit(jnp.sum)
     rows = [{"what": "sum over the same bytes", "rows": 0,
              "ms": (ms := median_ms(lambda: total(flat), args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
-    step = jax.jit(projections if dtype == jnp.float32 else bf16_projections)
+    steps = {"30 layers of projections": (jax.jit(projections if dtype == jnp.float32 else bf16_projections), layers)}
+    if args.packed:
+        if dtype != jnp.float32:
+            p.error("--packed runs float32 weights only")
+        from kernels_cpu import pack_weight
+
+        packed = [tuple(jnp.asarray(pack_weight(np.asarray(w))) for w in layer) for layer in layers]
+        steps["the same, C++ packed matmul"] = (jax.jit(packed_projections), packed)
     for num_rows in args.rows:
         h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
-        ms = median_ms(lambda: step(h, layers), args.calls)
-        rows.append({"what": "30 layers of projections", "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
-                     "gflop_per_s": 2 * num_rows * num_weights / ms / 1e6})
+        times = {what: [] for what in steps}
+        for _ in range(args.rounds):
+            for what, (step, weights) in steps.items():
+                times[what].append(median_ms(lambda: step(h, weights), args.calls))
+        for what, measured in times.items():
+            ms = statistics.median(measured)
+            rows.append({"what": what, "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
+                         "gflop_per_s": 2 * num_rows * num_weights / ms / 1e6,
+                         "packed_over_xla": statistics.median(times["30 layers of projections"]) / ms
+                         if args.packed else None})
     print(f"{weight_bytes / 1e6:.0f} MB of {args.dtype} weights, {jax.devices()[0].platform}")
-    print_table(rows, ["what", "rows", "ms", "gb_per_s", "gflop_per_s"])
+    print_table(rows, ["what", "rows", "ms", "gb_per_s", "gflop_per_s", "packed_over_xla"])
     write_json(args.result_json, {"weight_bytes": weight_bytes, "rows": rows})
 
 

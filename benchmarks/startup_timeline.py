@@ -43,12 +43,12 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     args = parser.parse_args()
     import cbjax.engine.engine as engine_module
-    import kernels_cpu.attention as kernel_attention
+    import kernels_cpu.registry as kernel_registry
     from cbjax import LLM
     from cbjax.engine.compile_cache import StepCache
     from cbjax.engine.runner import ModelRunner
 
-    wrap(kernel_attention, "build", "kernel build")
+    wrap(kernel_registry, "build", "kernel build")
     wrap(engine_module, "load_model", "load weights")
     wrap(ModelRunner, "_lower", "trace and lower")
     wrap(StepCache, "compile_fresh", "compile")

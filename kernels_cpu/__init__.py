@@ -1,29 +1,39 @@
-"""Paged attention for XLA:CPU as a C++ custom call (XLA FFI): what the engine serves with on a CPU.
+"""The C++ kernels for XLA:CPU as custom calls (XLA FFI): what the engine serves with on a CPU.
 
-The Pallas kernels only compile for GPUs, and the jnp reference pays XLA:CPU's fixed cost per
-op on every gather and small dot of its fixed-shape loop. This kernel (`paged_attention.cc`)
-keeps the reference's contract and loops over the real tokens and keys only. It is compiled
-once per machine with the system's C++ compiler into a cache folder (`build.py`) and
-registered with XLA as an FFI target; where it cannot be built, `kernel_problem()` says why and
-the engine serves with the jnp reference instead.
+- Paged attention (`paged_attention.cc`, `attention.py`). The Pallas kernels only compile for
+  GPUs, and the jnp reference pays XLA:CPU's fixed cost per op on every gather and small dot of
+  its fixed-shape loop. This kernel keeps the reference's contract and loops over the real tokens
+  and keys only.
+- A matmul over weights packed in 32-column panels (`packed_matmul.cc`, `matmul.py`): the
+  skinny projections of decode steps stream the weights at the machine's rate, which XLA:CPU's
+  dots do not.
+
+Both are compiled into one library, once per machine, with the system's C++ compiler into a
+cache folder (`build.py`) and registered with XLA as FFI targets (`registry.py`); where they cannot
+be built, `kernel_problem()` says why and the engine serves with the jnp paths instead.
 """
 
-from kernels_cpu.attention import (
+from kernels_cpu.attention import ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_cpu.matmul import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu.registry import (
     build_hash,
     kernel_problem,
     kernel_registered,
-    ragged_paged_attention_cpu,
     register_in_background,
     registration_deferred,
-    write_kv_and_attend_cpu,
 )
 
 __all__ = [
     "build_hash",
     "kernel_problem",
     "kernel_registered",
+    "pack_weight",
+    "packable",
+    "packed_matmul_cpu",
+    "packed_matmul_reference",
     "ragged_paged_attention_cpu",
     "register_in_background",
     "registration_deferred",
+    "unpack_weight",
     "write_kv_and_attend_cpu",
 ]

@@ -1,4 +1,5 @@
-"""Compile `paged_attention.cc` into a shared library, once per machine, source and jaxlib.
+"""Compile the C++ kernels (`paged_attention.cc`, `packed_matmul.cc`) into one shared library,
+once per machine, source and jaxlib.
 
 The library goes to $CBJAX_KERNEL_CACHE (default: `kernels/` in cbjax's cache folder,
 $CBJAX_CACHE_DIR or ~/.cache/cbjax) under a name hashed from the source, the flags, the
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 
 
-SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_attention.cc", "packed_matmul.cc"))
 # -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
 # reductions; it keeps infinities and NaN, unlike -ffast-math.
 FLAGS = (
@@ -79,7 +80,7 @@ def library_path(cxx: str) -> pathlib.Path:
 
     version = compiler_version(cxx)
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
                  cpu_features().encode()):
         key.update(part)
     return cache_dir() / f"cbjax_paged_attention_{key.hexdigest()[:16]}.so"
@@ -95,12 +96,21 @@ def build() -> pathlib.Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile beside the target and rename: concurrent builds (test workers) never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise KernelBuildError(f"compiling {SOURCE.name} failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
-    os.replace(tmp, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        # One compiler per source, side by side (each takes seconds), then one link.
+        objects = [pathlib.Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        commands = [[cxx, *FLAGS, "-c", f"-I{jax.ffi.include_dir()}", str(source), "-o", str(obj)]
+                    for source, obj in zip(SOURCES, objects)]
+        compiles = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    for command in commands]
+        errors = [process.communicate()[1] for process in compiles]  # every compiler done before scratch goes
+        for source, command, process, stderr in zip(SOURCES, commands, compiles, errors):
+            if process.returncode != 0:
+                raise KernelBuildError(f"compiling {source.name} failed ({' '.join(command)}):\n{stderr[-2000:]}")
+        library = pathlib.Path(scratch) / target.name
+        link = [cxx, *FLAGS, *map(str, objects), "-o", str(library)]
+        result = subprocess.run(link, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KernelBuildError(f"linking {target.name} failed ({' '.join(link)}):\n{result.stderr[-2000:]}")
+        os.replace(library, target)
     return target

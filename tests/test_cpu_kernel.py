@@ -178,7 +178,7 @@ def test_a_broken_build_reports_the_compiler_error(tmp_path, monkeypatch):
     source = tmp_path / "broken.cc"
     source.write_text("this is not C++\n")
     monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_build, "SOURCE", source)
+    monkeypatch.setattr(kernel_build, "SOURCES", (source,))
     with pytest.raises(kernel_build.KernelBuildError, match="compiling broken.cc failed"):
         kernel_build.build()
     assert not list((tmp_path / "cache").iterdir())
@@ -197,7 +197,7 @@ def test_steps_trace_while_the_kernel_builds_and_name_that_build():
     engine's start-up traces its steps meanwhile), and names the targets as the build will."""
     import threading
 
-    from kernels_cpu import attention, registration_deferred
+    from kernels_cpu import registration_deferred, registry
 
     build_hash = kernel_build.library_path(kernel_build.compiler()).stem.rsplit("_", 1)[-1]
     pool = jax.ShapeDtypeStruct((1, 4, 8, 16), jnp.float32)
@@ -210,7 +210,7 @@ def test_steps_trace_while_the_kernel_builds_and_name_that_build():
                 new, new, new, pool, pool, abstract_metadata(num_tokens=2, num_reqs=2, max_blocks=2)
             ).as_text()
 
-    with attention._lock:  # a build under way (register_in_background holds this lock while it builds)
+    with registry._lock:  # a build under way (register_in_background holds this lock while it builds)
         assert kernel_problem(wait=False) is None
         tracer = threading.Thread(target=lower)
         tracer.start()

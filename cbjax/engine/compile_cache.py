@@ -5,8 +5,8 @@ compile options; weights are arguments of the steps, so a model of the same shap
 them safely. Its key does not cover the CPU's instruction set (XLA:CPU compiles for the host's
 features), so the default folder is one per jax version, device and CPU feature set: a cache
 folder shared between machines never hands one an executable built for another. The C++
-attention kernel's build hash is in its FFI target names, hence in the steps' HLO (see
-kernels_cpu/attention.py).
+kernels' build hash is in their FFI target names, hence in the steps' HLO (see
+kernels_cpu/registry.py).
 """
 
 from __future__ import annotations
