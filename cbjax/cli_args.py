@@ -65,6 +65,11 @@ def add_engine_args(
              "beside running decodes (lower TTFT when serving), 3 more compiles at start-up; default: "
              + ("on" if server else "off"),
     )
+    parser.add_argument(
+        "--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
+        help="on a CPU: float32 projection weights packed at load for the C++ matmul kernel "
+             "(--no-cpu-packed-weights: XLA's dots); default: on",
+    )
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
@@ -75,7 +80,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
-        "enable_prefix_caching async_scheduling prompt_bucket_midpoints coordinator num_processes process_id"
+        "enable_prefix_caching async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}
 

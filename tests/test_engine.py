@@ -154,6 +154,23 @@ def test_jnp_attention_backend_matches_transformers(tiny, expected, llm):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def packed_weights(llm) -> int:
+    """How many of the engine's weights are packed for the CPU matmul kernel ([N / 32, K, 32])."""
+    return sum(leaf.ndim == 3 for leaf in jax.tree_util.tree_leaves(llm.llm_engine.runner.weights))
+
+
+def test_cpu_engine_packs_its_projections_unless_told_not_to(tiny, expected, llm):
+    """On a CPU the default engine runs every projection through the packed C++ matmul (the other
+    tests here check its outputs); cpu_packed_weights=False keeps XLA's dots, with the same tokens."""
+    config = llm.llm_engine.model_config
+    assert packed_weights(llm) == 7 * config.num_hidden_layers  # q, k, v, o, gate, up, down
+    unpacked = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(cpu_packed_weights=False)))
+    assert packed_weights(unpacked) == 0
+    prompts, want = expected
+    outs = unpacked.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 class CompileCounter:
     """Counts XLA backend compiles while armed (jax.monitoring has no unregister, so arm/disarm)."""
 

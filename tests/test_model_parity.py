@@ -50,17 +50,29 @@ class Loaded:
     decode_step: object
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# "packed": the projections packed for the CPU matmul kernel at load and run by it (with the C++
+# attention), as the engine serves on a CPU; widths that are not a multiple of 32 stay unpacked
+# (mistral_gqa4's 16-wide k/v).
+LAYOUTS = ("plain", "packed")
+
+
+@pytest.fixture(scope="module", params=[(case, layout) for case in CASES for layout in LAYOUTS], ids="-".join)
 def loaded(request, tmp_path_factory) -> Loaded:
-    arch, overrides = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
+    case, layout = request.param
+    if layout == "packed" and jax.devices()[0].platform != "cpu":
+        pytest.skip("the packed projections are a CPU kernel")
+    arch, overrides = CASES[case]
+    tmp = tmp_path_factory.mktemp(case)
     hf_dir = make_tiny_hf_model(tmp, arch, **overrides)
-    model, config = load_model(convert_checkpoint(hf_dir, tmp / "converted"))
+    model, config = load_model(convert_checkpoint(hf_dir, tmp / "converted"), pack_for_cpu=layout == "packed")
     graphdef, state = nnx.split(model)
+    packed = [leaf for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 3]
+    assert bool(packed) == (layout == "packed")
+    backend = "cpp" if layout == "packed" else "xla"
 
     def step(decode_only, kv_caches, token_ids, positions, metadata, logits_indices):
         return nnx.merge(graphdef, state)(
-            token_ids, positions, kv_caches, metadata, logits_indices, AttentionPlan(decode_only=decode_only)
+            token_ids, positions, kv_caches, metadata, logits_indices, AttentionPlan(backend, decode_only=decode_only)
         )
 
     return Loaded(

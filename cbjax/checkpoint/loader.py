@@ -16,7 +16,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import LlamaForCausalLM
+from cbjax.models.llama import LlamaForCausalLM, pack_linears
 
 if TYPE_CHECKING:
     from cbjax.engine.sharding import TensorParallel
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
-    tensor_parallel: TensorParallel | None = None,
+    tensor_parallel: TensorParallel | None = None, pack_for_cpu: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
 
@@ -44,12 +44,15 @@ def load_model(
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
             ckpt_dir / PARAMS_DIR, model_dtype, expected,
             lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None),
+            layout=("packed", pack_linears) if pack_for_cpu else None,
         )
     elif (ckpt_dir / PARAMS_DIR).is_dir():
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None,
                                 sharding=tensor_parallel.restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
+        if pack_for_cpu:
+            params = pack_linears(params)
     if tensor_parallel is None:
         model = _fill_model(config, model_dtype, params, activation_dtype)
     else:

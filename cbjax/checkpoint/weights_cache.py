@@ -39,28 +39,33 @@ NUMPY_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16"
 
 
 def cached_weights(
-    params_dir: Path, dtype: str, expected: dict[str, jax.ShapeDtypeStruct], restore: Callable[[], dict[str, np.ndarray]]
+    params_dir: Path, dtype: str, expected: dict[str, jax.ShapeDtypeStruct], restore: Callable[[], dict[str, np.ndarray]],
+    layout: tuple[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] | None = None,
 ) -> dict[str, np.ndarray]:
     """The checkpoint's weights in `dtype`, mapped from the cache; on a miss `restore()` reads them
     (already checked against `expected`) and they are written to the cache first.
 
+    layout: (its name, a function that rearranges restored weights into it), e.g. projections
+    packed for the CPU matmul kernel; cached apart from the checkpoint's own layout.
     With $CBJAX_DISABLE_WEIGHTS_CACHE=1, or where the cache cannot be written, the restored arrays.
     """
+    name, arrange = layout or ("", lambda params: params)
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return restore()
+        return arrange(restore())
     folder = cache_dir() / "weights"
     source = str(params_dir.resolve())
     source_key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = folder / f"{source_key}-{dtype}-{_content_key(params_dir, dtype, expected)}.safetensors"
+    prefix = f"{source_key}-{dtype}{'.' + name if name else ''}-"  # one file per checkpoint, dtype and layout
+    path = folder / f"{prefix}{_content_key(params_dir, dtype, expected)}.safetensors"
     if not path.is_file():
-        params = restore()
+        params = arrange(restore())
         try:
             write_weights(path, {name: array.astype(jnp.dtype(dtype), copy=False) for name, array in params.items()})
         except OSError as error:
             warnings.warn(f"could not write the weights cache {path} ({error}); loading without it", stacklevel=3)
             return params
         del params  # the mapped file replaces them: one copy of the weights in memory
-        for stale in folder.glob(f"{source_key}-{dtype}-*.safetensors"):
+        for stale in folder.glob(f"{prefix}*.safetensors"):
             if stale != path:
                 stale.unlink(missing_ok=True)
         logger.info("weights of %s cached in %s", source, path)

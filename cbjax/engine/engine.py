@@ -58,8 +58,11 @@ class LLMEngine:
         # load and the steps are traced; the runner waits for it before it compiles them.
         kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
         # Under TP, model_config counts KV heads after repetition (see cbjax/engine/sharding.py).
+        pack_for_cpu = (kernel_build is not None and config.cpu_packed_weights and tensor_parallel is None
+                        and config.num_processes == 1)
         model, self.model_config = load_model(
-            config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel
+            config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,
+            pack_for_cpu=pack_for_cpu,
         )
         config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in flax.nnx, written for the paged engine.
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), so the
-checkpoint mapping is one rule per parameter kind. Linear kernels are [in, out] (HF's transposed).
+checkpoint mapping is one rule per parameter kind. Linear kernels are [in, out] (HF's transposed),
+or on a CPU packed for the C++ matmul kernel at load (`pack_linears`).
 
 One forward runs a flat ragged batch of new tokens: each layer writes its new K/V into that
 layer's page pool, then attends over the pool. Nothing is mutated in __call__: the updated
@@ -20,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from cbjax.config import ModelConfig
 from cbjax.models.rope import apply_rope, rope_inv_freq
+from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
 from kernels_pallas.backend import AttentionPlan, write_kv_and_attend
 from kernels_pallas.reference import AttentionMetadata
 
@@ -48,12 +50,35 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
+    `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
+    else its jnp reference. An unpacked kernel ([in, out]) is nnx.Linear's dot."""
+
+    def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            return super().__call__(x)
+        y = packed_matmul_cpu(x, kernel) if plan.backend == "cpp" else packed_matmul_reference(x, kernel)
+        return y if self.bias is None else y + self.bias[...]
+
+
+def pack_linears(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`params` with every decoder layer's float32 projection packed for the CPU matmul kernel
+    (kernels_cpu.pack_weight), where its width allows; the LM head and embeddings as they are.
+    One tensor at a time: each packed copy replaces its original."""
+    for name in list(params):
+        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, params[name].dtype):
+            params[name] = pack_weight(params.pop(name))
+    return params
+
+
 def _linear(
     in_features: int, out_features: int, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
     activation_dtype: jnp.dtype | None = None,
-) -> nnx.Linear:
+) -> Linear:
     """Weights and dot inputs in `dtype`; the product accumulates into `activation_dtype` if given."""
-    return nnx.Linear(
+    return Linear(
         in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
         preferred_element_type=activation_dtype, rngs=rngs,
     )
@@ -82,15 +107,15 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         config = self.config
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, config.num_attention_heads, config.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, config.num_key_value_heads, config.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, config.num_key_value_heads, config.head_dim)
+        q = self.q_proj(x, plan).reshape(num_tokens, config.num_attention_heads, config.head_dim)
+        k = self.k_proj(x, plan).reshape(num_tokens, config.num_key_value_heads, config.head_dim)
+        v = self.v_proj(x, plan).reshape(num_tokens, config.num_key_value_heads, config.head_dim)
         if config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(config)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = write_kv_and_attend(q, k, v, kv_cache, metadata, config.head_dim**-0.5, plan)
-        return self.o_proj(out.reshape(num_tokens, -1)), kv_cache
+        return self.o_proj(out.reshape(num_tokens, -1), plan), kv_cache
 
 
 class MLP(nnx.Module):
@@ -100,8 +125,8 @@ class MLP(nnx.Module):
         self.up_proj = _linear(hidden, inner, config.mlp_bias, dtype, rngs, activation_dtype)
         self.down_proj = _linear(inner, hidden, config.mlp_bias, dtype, rngs, activation_dtype)
 
-    def __call__(self, x: Float[Array, "tokens hidden"]) -> Float[Array, "tokens hidden"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: Float[Array, "tokens hidden"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "tokens hidden"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, plan)) * self.up_proj(x, plan), plan)
 
 
 class DecoderLayer(nnx.Module):
@@ -121,7 +146,7 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[Float[Array, "tokens hidden"], KVCache]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata, plan)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), plan), kv_cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))

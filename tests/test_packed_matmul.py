@@ -1,0 +1,136 @@
+"""The C++ matmul over packed weights (kernels_cpu/packed_matmul.cc) against numpy, and packing at load.
+
+Sizes cover 0 and 1 rows, one short of, at and past a pass of rows (8 with AVX-512), K of 1 and
+not a multiple of anything, and 1 to several 32-column panels. The kernel is an XLA:CPU custom
+call: there is no `cuda` lowering to check.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from helpers_hf import hf_logits, make_tiny_hf_model
+
+from cbjax.checkpoint import convert_checkpoint, load_model
+from cbjax.checkpoint.weights_cache import DISABLE_ENV
+from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_pallas.backend import AttentionPlan
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
+
+kernel = jax.jit(packed_matmul_cpu)
+
+
+def product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, n: int):
+    shape = rows if isinstance(rows, tuple) else (rows,)
+    x = rng.standard_normal((*shape, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return x, w, x.astype(np.float64) @ w.astype(np.float64)
+
+
+def assert_product(out, expected, k: int) -> None:
+    out = np.asarray(out)
+    assert out.shape == expected.shape and out.dtype == np.float32
+    # float32 sums of k products of standard normals: errors grow like sqrt(k) * eps * |terms|
+    np.testing.assert_allclose(out, expected, atol=1e-5 * max(1, k) ** 0.5 * 4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 17, 67, (2, 3)])
+@pytest.mark.parametrize("k, n", [(1, 32), (5, 64), (576, 192), (1000, 96)])
+def test_kernel_equals_numpy_at_edge_sizes(rows, k, n):
+    x, w, expected = product(np.random.default_rng(k * 31 + n), rows, k, n)
+    packed = pack_weight(w)
+    assert_product(kernel(x, packed), expected, k)
+    assert_product(packed_matmul_reference(x, packed), expected, k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), k=st.integers(1, 300), panels=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_kernel_equals_numpy_on_random_sizes(rows, k, panels, seed):
+    x, w, expected = product(np.random.default_rng(seed), rows, k, 32 * panels)
+    assert_product(kernel(x, pack_weight(w)), expected, k)
+
+
+def test_each_row_is_the_same_sum_whatever_the_batch():
+    """A request's product does not depend on how many rows share its step or where it sits."""
+    rng = np.random.default_rng(3)
+    x, w, _ = product(rng, 19, 384, 128)
+    packed = pack_weight(w)
+    whole = np.asarray(kernel(x, packed))
+    for row in (0, 7, 8, 18):
+        np.testing.assert_array_equal(np.asarray(kernel(x[row : row + 1], packed))[0], whole[row])
+        np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed))[0], whole[row])
+
+
+def test_packing_round_trips_and_refuses_what_it_cannot_pack():
+    w = np.arange(7 * 64, dtype=np.float32).reshape(7, 64)
+    packed = pack_weight(w)
+    assert packed.shape == (2, 7, 32) and packed.flags.c_contiguous
+    np.testing.assert_array_equal(packed[1, 3], w[3, 32:])
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(packed))), w)
+    assert not packable((7, 48), np.float32) and not packable((7, 64), jnp.bfloat16) and not packable((64,), np.float32)
+    with pytest.raises(ValueError, match=r"N a multiple of 32, got float32 \(7, 48\)"):
+        pack_weight(np.zeros((7, 48), np.float32))
+    with pytest.raises(ValueError, match="does not match a packed"):
+        packed_matmul_cpu(jnp.zeros((2, 5)), jnp.asarray(packed))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("packed")
+    # 16-wide k/v (one KV head of 16): those two stay unpacked beside the packed ones.
+    hf_dir = make_tiny_hf_model(tmp, "qwen2", num_key_value_heads=1, tie_word_embeddings=True)
+    return hf_dir, convert_checkpoint(hf_dir, tmp / "converted")
+
+
+def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
+    """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
+    from kernels_pallas import AttentionMetadata
+    from cbjax.models import init_kv_caches
+
+    n = len(token_ids)
+    caches = init_kv_caches(model.config, 4, 16, jnp.float32)
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.arange(16, 16 + n, dtype=jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
+        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.array([[1, 2]], jnp.int32),
+    )
+    logits, _ = model(jnp.array(token_ids), jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "xla"])
+def test_packed_model_matches_transformers_with_the_kernel_and_with_its_jnp_fallback(checkpoint, backend):
+    """backend "xla" is what the engine serves with if the C++ library fails to build after the weights were packed."""
+    hf_dir, converted = checkpoint
+    model, _ = load_model(converted, pack_for_cpu=True)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.kernel[...].shape == (2, 64, 32)
+    assert layer.self_attn.k_proj.kernel[...].shape == (64, 16)  # not a multiple of 32: as loaded
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    np.testing.assert_allclose(forward_logits(model, tokens, backend), hf_logits(hf_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_weights_cache_keeps_the_packed_layout_apart(checkpoint, tmp_path, monkeypatch):
+    """The packed copy is cached beside the plain one (neither evicts the other) and mapped on the next load."""
+    _, converted = checkpoint
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    plain, _ = load_model(converted)
+    packed, _ = load_model(converted, pack_for_cpu=True)
+    files = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert len(files) == 2 and sum(".packed-" in name for name in files) == 1, files
+
+    def no_restore(*args, **kwargs):
+        raise AssertionError("the second packed load must map the cached packed copy")
+
+    monkeypatch.setattr("cbjax.checkpoint.loader._restore_orbax", no_restore)
+    again, _ = load_model(converted, pack_for_cpu=True)
+    for model in (packed, again):
+        np.testing.assert_array_equal(
+            np.asarray(unpack_weight(model.model.layers[1].mlp.down_proj.kernel[...])),
+            np.asarray(plain.model.layers[1].mlp.down_proj.kernel[...]),
+        )
