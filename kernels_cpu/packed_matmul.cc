@@ -89,7 +89,7 @@ void panel_product(const float* x, const float* w, float* y, int64_t rows, int64
   if (m < rows) tail(x + m * K, panel, y + m * N + p * kPanel, K, N, rows - m);
 }
 
-struct Work {
+struct PanelWork {
   std::atomic<int64_t> next{0}, done{0};
 };
 
@@ -112,8 +112,8 @@ ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   // Helpers hold the counter by shared_ptr: one that starts after the call returned finds no
   // panel left and touches nothing else.
-  auto work = std::make_shared<Work>();
-  auto drain = [=](Work& state) {
+  auto work = std::make_shared<PanelWork>();
+  auto drain = [=](PanelWork& state) {
     for (int64_t p; (p = state.next.fetch_add(1)) < panels;) {
       panel_product(xp, wp, yp, rows, K, N, p);
       state.done.fetch_add(1, std::memory_order_release);
