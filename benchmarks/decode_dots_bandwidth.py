@@ -9,7 +9,7 @@ array the size of SmolLM2-135M's float32 weights (the streaming rate), and the 3
 SmolLM2-shaped projections (q/k/v, o, gate/up, down; float32 or, with --dtype bfloat16, as the
 engine's bf16 mode; the weights laid out [in, out] as the model's) at each of --rows, and reports each as GB/s of weights read and GFLOP/s.
 
-With --packed (float32) the same projections also run through cbjax's C++ packed-panel matmul
+With --packed the same projections also run through cbjax's C++ packed-panel matmul
 (kernels_cpu/packed_matmul.cc) over the weights packed as the engine packs them, timed
 alternately with XLA's dots in this process (`packed_over_xla`: XLA's ms over the kernel's).
 """
@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=7)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the weights'; bfloat16 as the engine runs it on a CPU: inputs rounded to bfloat16, sums in float32")
-    p.add_argument("--packed", action="store_true", help="also time the C++ packed-panel matmul (float32 only)")
+    p.add_argument("--packed", action="store_true", help="also time the C++ packed-panel matmul")
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds of XLA and the kernel, with --packed")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
@@ -82,8 +82,6 @@ def main() -> None:
              "ms": (ms := median_ms(lambda: total(flat), args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
     steps = {"30 layers of projections": (jax.jit(projections if dtype == jnp.float32 else bf16_projections), layers)}
     if args.packed:
-        if dtype != jnp.float32:
-            p.error("--packed runs float32 weights only")
         from kernels_cpu import pack_weight
 
         packed = [tuple(jnp.asarray(pack_weight(np.asarray(w))) for w in layer) for layer in layers]

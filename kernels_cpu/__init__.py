@@ -14,7 +14,7 @@ be built, `kernel_problem()` says why and the engine serves with the jnp paths i
 """
 
 from kernels_cpu.attention import ragged_paged_attention_cpu, write_kv_and_attend_cpu
-from kernels_cpu.matmul import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu.matmul import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
 from kernels_cpu.registry import (
     build_hash,
     kernel_problem,
@@ -24,6 +24,7 @@ from kernels_cpu.registry import (
 )
 
 __all__ = [
+    "LAYOUT",
     "build_hash",
     "kernel_problem",
     "kernel_registered",

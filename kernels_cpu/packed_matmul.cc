@@ -1,8 +1,12 @@
 // y = x @ w for XLA:CPU (an XLA FFI custom call), with w packed in 32-column panels.
 //
-//   x  f32 [rows, K]        (any leading dims: all but the last are rows)
-//   w  f32 [N / 32, K, 32]  panel p holds columns 32p..32p+31 of the [K, N] weight, row by row
+//   x  f32 [rows, K]           (any leading dims: all but the last are rows)
+//   w  f32 [N / 32, K, 32]     panel p holds columns 32p..32p+31 of the [K, N] weight, row by row
+//      or bf16 [N / 32, ceil(K / 2), 64]: the same with rows k and k+1 interleaved per column
+//      (column c's pair at 2c, 2c+1; a zero row pads an odd K), as the bf16 dot instruction reads them
 //   y  f32 [rows, N]
+// With bf16 weights x is rounded to bf16 first (to nearest even) and the products summed in
+// f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16).
 //
 // Why: in a decode step the projections are skinny (8-64 rows against K x N weights), so they
 // are a stream over the weights. XLA:CPU's dots read them at about half the rate a plain sum
@@ -20,6 +24,8 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,23 +39,74 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel
 
+// The weights' element type: float32, one k per step; or bf16, a pair of k per step, x given as
+// bf16 pairs (one uint32 per pair, the lower k in the low half).
+struct PanelF32 {
+  using W = float;
+  using X = float;
+  static constexpr int64_t kPerStep = 1;
+};
+struct PanelBF16 {
+  using W = uint16_t;
+  using X = uint32_t;
+  static constexpr int64_t kPerStep = 2;
+};
+
+inline float bf16_to_float(uint32_t half) {
+  const uint32_t bits = half << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint32_t float_to_bf16(float f) {  // round to nearest even, as XLA's convert; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40u;
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // rows of sums a pass keeps in registers: 2 x 8 of the 32 vector registers
 
-// R rows of x (rows K floats apart) times one panel (K x 32, contiguous) -> R x 32 sums, stored at y
-// (rows ldy floats apart).
-template <int R>
-void pass(const float* x, const float* panel, float* y, int64_t K, int64_t ldy) {
+// R rows of x (rows `steps` X apart) times one panel (steps x 32 columns, contiguous) -> R x 32
+// sums, stored at y (rows ldy floats apart).
+template <int R, typename Tag>
+void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const float* wp = panel;
-  for (int64_t k = 0; k < K; ++k, wp += kPanel) {
-    _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * kPanel), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+  constexpr int64_t stride = kPanel * Tag::kPerStep;  // weights per step of a panel
+  const typename Tag::W* wp = panel;
+  for (int64_t k = 0; k < steps; ++k, wp += stride) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * stride), _MM_HINT_T0);
+    if constexpr (std::is_same_v<Tag, PanelF32>) {
+      const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * steps + k]);
+        acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * steps + k]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      }
+#else  // widen the pairs to f32: even k in the high half of each 32-bit lane after a shift
+      const __m512i both0 = _mm512_loadu_si512(wp), both1 = _mm512_loadu_si512(wp + 32);
+      const __m512 lo0 = _mm512_castsi512_ps(_mm512_slli_epi32(both0, 16));
+      const __m512 hi0 = _mm512_castsi512_ps(_mm512_and_si512(both0, _mm512_set1_epi32((int)0xffff0000u)));
+      const __m512 lo1 = _mm512_castsi512_ps(_mm512_slli_epi32(both1, 16));
+      const __m512 hi1 = _mm512_castsi512_ps(_mm512_and_si512(both1, _mm512_set1_epi32((int)0xffff0000u)));
+      for (int r = 0; r < R; ++r) {
+        const uint32_t pair = x[r * steps + k];
+        const __m512 x0 = _mm512_set1_ps(bf16_to_float(pair & 0xffffu)), x1 = _mm512_set1_ps(bf16_to_float(pair >> 16));
+        acc[r][0] = _mm512_fmadd_ps(x1, hi0, _mm512_fmadd_ps(x0, lo0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(x1, hi1, _mm512_fmadd_ps(x0, lo1, acc[r][1]));
+      }
+#endif
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -60,62 +117,60 @@ void pass(const float* x, const float* panel, float* y, int64_t K, int64_t ldy) 
 #else
 constexpr int kRows = 4;  // without AVX-512: fewer rows, the compiler's own vectors
 
-template <int R>
-void pass(const float* x, const float* panel, float* y, int64_t K, int64_t ldy) {
+template <int R, typename Tag>
+void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy) {
   float acc[R][kPanel] = {};
-  const float* wp = panel;
-  for (int64_t k = 0; k < K; ++k, wp += kPanel)
+  constexpr int64_t stride = kPanel * Tag::kPerStep;
+  const typename Tag::W* wp = panel;
+  for (int64_t k = 0; k < steps; ++k, wp += stride)
     for (int r = 0; r < R; ++r) {
-      const float xv = x[r * K + k];
-      for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * wp[c];
+      if constexpr (std::is_same_v<Tag, PanelF32>) {
+        const float xv = x[r * steps + k];
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * wp[c];
+      } else {
+        const uint32_t pair = x[r * steps + k];
+        const float x0 = bf16_to_float(pair & 0xffffu), x1 = bf16_to_float(pair >> 16);
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * bf16_to_float(wp[2 * c]) + x1 * bf16_to_float(wp[2 * c + 1]);
+      }
     }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
 }
 #endif
 
-// Passes of kRows rows, then one pass of the rows left (each row count its own unrolled loop).
-template <int R = kRows>
-void tail(const float* x, const float* panel, float* y, int64_t K, int64_t ldy, int64_t rows) {
+// The rows left after the full passes, in one pass of exactly that many (each count its own
+// unrolled loop).
+template <typename Tag, int R = kRows>
+void tail(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy, int64_t rows) {
   if constexpr (R > 0) {
-    if (rows == R) return pass<R>(x, panel, y, K, ldy);
-    tail<R - 1>(x, panel, y, K, ldy, rows);
+    if (rows == R) return pass<R, Tag>(x, panel, y, steps, ldy);
+    tail<Tag, R - 1>(x, panel, y, steps, ldy, rows);
   }
 }
 
-void panel_product(const float* x, const float* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t p) {
-  const float* panel = w + p * K * kPanel;
+template <typename Tag>
+void panel_product(const typename Tag::X* x, const typename Tag::W* w, float* y, int64_t rows, int64_t steps,
+                   int64_t N, int64_t p) {
+  const typename Tag::W* panel = w + p * steps * kPanel * Tag::kPerStep;
   int64_t m = 0;
-  for (; m + kRows <= rows; m += kRows) pass<kRows>(x + m * K, panel, y + m * N + p * kPanel, K, N);
-  if (m < rows) tail(x + m * K, panel, y + m * N + p * kPanel, K, N, rows - m);
+  for (; m + kRows <= rows; m += kRows) pass<kRows, Tag>(x + m * steps, panel, y + m * N + p * kPanel, steps, N);
+  if (m < rows) tail<Tag>(x + m * steps, panel, y + m * N + p * kPanel, steps, N, rows - m);
 }
 
 struct PanelWork {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                              ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("cbjax packed matmul: w must be [N / 32, K, 32] and x at least 1-d");
-  const int64_t K = wd[1], panels = wd[0], N = panels * kPanel;
-  if (xd.back() != K || y->element_count() * K != x.element_count() * N)
-    return ffi::Error::InvalidArgument("cbjax packed matmul: x's last dim must be w's K and y must be [rows, N]");
-  const int64_t rows = K == 0 ? 0 : x.element_count() / K;
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  if (rows == 0 || panels == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + rows * N, 0.0f);
-    return ffi::Error::Success();
-  }
-  // Helpers hold the counter by shared_ptr: one that starts after the call returned finds no
-  // panel left and touches nothing else.
+// Panels shared out between the calling thread and XLA's intra-op threads (the caller is one of
+// the workers, so one helper fewer than the pool's threads). Helpers hold the counter by
+// shared_ptr: one that starts after the call returned finds no panel left and touches nothing else.
+template <typename Tag>
+void multiply(ffi::ThreadPool& pool, const typename Tag::X* x, const typename Tag::W* w, float* y, int64_t rows,
+              int64_t steps, int64_t panels) {
   auto work = std::make_shared<PanelWork>();
+  const int64_t N = panels * kPanel;
   auto drain = [=](PanelWork& state) {
     for (int64_t p; (p = state.next.fetch_add(1)) < panels;) {
-      panel_product(xp, wp, yp, rows, K, N, p);
+      panel_product<Tag>(x, w, y, rows, steps, N, p);
       state.done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -123,14 +178,65 @@ ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
   drain(*work);
   while (work->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
+}
+
+// Checks x's, w's (k_per_step k per step of a panel) and y's shapes; sets rows and K.
+ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd, int64_t k_per_step,
+                  int64_t y_elements, int64_t& rows, int64_t& K) {
+  const auto xd = x.dimensions();
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel * k_per_step)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: w must be [N / 32, K, 32] (bf16: [N / 32, ceil(K / 2), 64])");
+  K = xd.back();
+  if ((K + k_per_step - 1) / k_per_step != wd[1] || y_elements * K != x.element_count() * wd[0] * kPanel)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: x's last dim must be w's K and y must be [rows, N]");
+  rows = K == 0 ? 0 : x.element_count() / K;
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  int64_t rows, K;
+  if (auto error = shapes(x, w.dimensions(), 1, y->element_count(), rows, K); error.failure()) return error;
+  const int64_t panels = w.dimensions()[0];
+  if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
+  if (rows == 0 || panels == 0 || K == 0) return ffi::Error::Success();
+  multiply<PanelF32>(pool, x.typed_data(), w.typed_data(), y->typed_data(), rows, K, panels);
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  int64_t rows, K;
+  if (auto error = shapes(x, w.dimensions(), 2, y->element_count(), rows, K); error.failure()) return error;
+  const int64_t panels = w.dimensions()[0], steps = (K + 1) / 2;
+  if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
+  if (rows == 0 || panels == 0 || K == 0) return ffi::Error::Success();
+  // x rounded to bf16 pairs, a zero after an odd K (the caller waits for every panel, so this
+  // outlives the helpers' reads).
+  std::vector<uint32_t> pairs(rows * steps);
+  const float* xp = x.typed_data();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = 2 * s;
+      const uint32_t hi = k + 1 < K ? float_to_bf16(xp[r * K + k + 1]) : 0u;
+      pairs[r * steps + s] = float_to_bf16(xp[r * K + k]) | (hi << 16);
+    }
+  multiply<PanelBF16>(pool, pairs.data(), reinterpret_cast<const uint16_t*>(w.typed_data()), y->typed_data(), rows,
+                      steps, panels);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulF32, packed_matmul_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulF32, matmul_f32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulBF16, matmul_bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

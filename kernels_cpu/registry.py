@@ -28,6 +28,7 @@ ATTENTION_KERNELS = ("CbjaxPagedAttention", "CbjaxWriteKvAttention")
 SYMBOLS = (
     *(kernel + suffix for kernel in ATTENTION_KERNELS for suffix in POOL_SUFFIXES.values()),
     "CbjaxPackedMatmulF32",
+    "CbjaxPackedMatmulBF16",
 )
 
 _lock = threading.Lock()  # held while the library is built and registered

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.config import ModelConfig
 from cbjax.heap import release_free_heap
 from cbjax.models.llama import LlamaForCausalLM, pack_linears
+from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 if TYPE_CHECKING:
     from cbjax.engine.sharding import TensorParallel
@@ -44,7 +46,7 @@ def load_model(
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
             ckpt_dir / PARAMS_DIR, model_dtype, expected,
             lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None),
-            layout=("packed", pack_linears) if pack_for_cpu else None,
+            layout=(PACKED_LAYOUT, functools.partial(pack_linears, dtype=model_dtype)) if pack_for_cpu else None,
         )
     elif (ckpt_dir / PARAMS_DIR).is_dir():
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None,
@@ -52,7 +54,7 @@ def load_model(
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
         if pack_for_cpu:
-            params = pack_linears(params)
+            params = pack_linears(params, model_dtype)
     if tensor_parallel is None:
         model = _fill_model(config, model_dtype, params, activation_dtype)
     else:

@@ -63,13 +63,13 @@ class Linear(nnx.Linear):
         return y if self.bias is None else y + self.bias[...]
 
 
-def pack_linears(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`params` with every decoder layer's float32 projection packed for the CPU matmul kernel
-    (kernels_cpu.pack_weight), where its width allows; the LM head and embeddings as they are.
-    One tensor at a time: each packed copy replaces its original."""
+def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
+    """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
+    matmul kernel (kernels_cpu.pack_weight) where its dtype (float32, bfloat16) and width allow;
+    the LM head and embeddings as they are. One tensor at a time: each packed copy replaces its original."""
     for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, params[name].dtype):
-            params[name] = pack_weight(params.pop(name))
+        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
+            params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
 
