@@ -63,10 +63,19 @@ class Linear(nnx.Linear):
         return y if self.bias is None else y + self.bias[...]
 
 
+# The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) is
+# 1.4-1.65x XLA's bf16 dots at decode steps' 8-16 rows but 0.85-0.93x at prompt steps' 256-512, and
+# whole engines lost 4-8% with it at 64 sequences of long prompts (BENCHMARKS.md, section 15).
+PACKED_DTYPES = (jnp.dtype(jnp.float32),)
+
+
 def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
-    matmul kernel (kernels_cpu.pack_weight) where its dtype (float32, bfloat16) and width allow;
-    the LM head and embeddings as they are. One tensor at a time: each packed copy replaces its original."""
+    matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
+    allows; the LM head and embeddings as they are. The cast comes first, so the layout is the
+    served dtype's. One tensor at a time: each packed copy replaces its original."""
+    if jnp.dtype(dtype) not in PACKED_DTYPES:
+        return params
     for name in list(params):
         if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
