@@ -49,13 +49,13 @@ def cached_weights(
     packed for the CPU matmul kernel; cached apart from the checkpoint's own layout.
     With $CBJAX_DISABLE_WEIGHTS_CACHE=1, or where the cache cannot be written, the restored arrays.
     """
-    name, arrange = layout or ("", lambda params: params)
+    layout_name, arrange = layout or ("", lambda params: params)
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return arrange(restore())
     folder = cache_dir() / "weights"
     source = str(params_dir.resolve())
     source_key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    prefix = f"{source_key}-{dtype}{'.' + name if name else ''}-"  # one file per checkpoint, dtype and layout
+    prefix = f"{source_key}-{dtype}{'.' + layout_name if layout_name else ''}-"  # one file per checkpoint, dtype and layout
     path = folder / f"{prefix}{_content_key(params_dir, dtype, expected)}.safetensors"
     if not path.is_file():
         params = arrange(restore())
