@@ -145,6 +145,10 @@ def test_a_kernel_build_failing_after_the_steps_were_traced_falls_back_to_jnp_at
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+ON_CPU = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are the CPU engine's")
+
+
+@ON_CPU
 def test_jnp_attention_backend_matches_transformers(tiny, expected, llm):
     # The default engine on a CPU serves with the C++ kernel; the jnp path is the fallback.
     assert llm.llm_engine.backend == "cpp"
@@ -159,6 +163,7 @@ def packed_weights(llm) -> int:
     return sum(leaf.ndim == 3 for leaf in jax.tree_util.tree_leaves(llm.llm_engine.runner.weights))
 
 
+@ON_CPU
 def test_cpu_engine_packs_its_projections_unless_told_not_to(tiny, expected, llm):
     """On a CPU the default engine runs every projection through the packed C++ matmul (the other
     tests here check its outputs); cpu_packed_weights=False keeps XLA's dots, with the same tokens."""
