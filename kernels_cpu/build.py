@@ -19,6 +19,7 @@ import tempfile
 
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_attention.cc", "packed_matmul.cc"))
+HEADERS = (pathlib.Path(__file__).with_name("work_sharing.h"),)  # included by the sources: part of the build's hash
 # -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
 # reductions; it keeps infinities and NaN, unlike -ffast-math.
 FLAGS = (
@@ -80,7 +81,7 @@ def library_path(cxx: str) -> pathlib.Path:
 
     version = compiler_version(cxx)
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
                  cpu_features().encode()):
         key.update(part)
     return cache_dir() / f"cbjax_cpu_kernels_{key.hexdigest()[:16]}.so"

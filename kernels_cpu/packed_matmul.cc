@@ -13,17 +13,14 @@
 // does (BENCHMARKS.md, section 15); with each panel contiguous the loop below streams them.
 // A pass keeps R rows x 32 columns of sums in registers while it walks down K, so each weight
 // is loaded once per R rows. Panels are claimed from a shared counter by the calling thread
-// and by helper tasks on XLA's intra-op threads, as the attention kernel's work items are.
+// and by helper tasks on XLA's intra-op threads (work_sharing.h), as the attention kernel's items are.
 //
 // Every output row is the same sum in the same order (k = 0, 1, ...) whatever the number of
 // rows or the row's place in the batch: a request's result does not depend on its neighbours.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +29,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "work_sharing.h"
 
 namespace ffi = xla::ffi;
 
@@ -156,28 +154,12 @@ void panel_product(const typename Tag::X* x, const typename Tag::W* w, float* y,
   if (m < rows) tail<Tag>(x + m * steps, panel, y + m * N + p * kPanel, steps, N, rows - m);
 }
 
-struct PanelWork {
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-// Panels shared out between the calling thread and XLA's intra-op threads (the caller is one of
-// the workers, so one helper fewer than the pool's threads). Helpers hold the counter by
-// shared_ptr: one that starts after the call returned finds no panel left and touches nothing else.
+// Panels shared out between the calling thread and XLA's intra-op threads.
 template <typename Tag>
 void multiply(ffi::ThreadPool& pool, const typename Tag::X* x, const typename Tag::W* w, float* y, int64_t rows,
               int64_t steps, int64_t panels) {
-  auto work = std::make_shared<PanelWork>();
   const int64_t N = panels * kPanel;
-  auto drain = [=](PanelWork& state) {
-    for (int64_t p; (p = state.next.fetch_add(1)) < panels;) {
-      panel_product<Tag>(x, w, y, rows, steps, N, p);
-      state.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
-  drain(*work);
-  while (work->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
+  cbjax_kernels::share_out(pool, panels, [=](int64_t p) { panel_product<Tag>(x, w, y, rows, steps, N, p); });
 }
 
 // Checks x's, w's (k_per_step k per step of a panel) and y's shapes; sets rows and K.

@@ -21,12 +21,10 @@
 // to f32 once. Items are shared out between the calling thread and XLA's intra-op threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__F16C__)
@@ -34,6 +32,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "work_sharing.h"
 
 namespace ffi = xla::ffi;
 
@@ -474,14 +473,6 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
     }
 }
 
-// Items claimed from a shared counter by the caller and by helper tasks on XLA's thread pool.
-// Helpers hold the state by shared_ptr: one that starts after the call returned finds no item
-// left and touches nothing else.
-struct Work {
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
 // Scatter the step's new K/V rows (f32 [new_tokens, kv_heads, dim]) into their pool slots, converted to
 // the pool's type like XLA's convert (round to nearest even). Slots outside the pool are skipped.
 template <typename Tag>
@@ -507,24 +498,17 @@ void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typena
             const typename Pool<Tag>::T* vp, const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables,
             float sm_scale, float* out) {
   std::fill(out, out + s.tokens * s.q_heads * s.dim, 0.0f);
-  auto work = std::make_shared<Work>();
+  std::vector<Item> items;
   for (int32_t r = 0; r < s.reqs; ++r) {
     const int32_t start = std::max(0, qsl[r]), end = std::min<int32_t>(qsl[r + 1], (int32_t)s.tokens);
     for (int32_t t = start; t < end; t += kTileRows)
       for (int32_t h = 0; h < s.kv_heads; ++h)
-        work->items.push_back({r, h, t, std::min(kTileRows, end - t)});
+        items.push_back({r, h, t, std::min(kTileRows, end - t)});
   }
-  const int64_t n = (int64_t)work->items.size();
-  auto drain = [=](Work& w) {
-    for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
-      run_item<Tag>(w.items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, out);
-      w.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, drain] { drain(*work); });
-  drain(*work);
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  const int64_t n = (int64_t)items.size();
+  cbjax_kernels::share_out(pool, n, [=, items = std::move(items)](int64_t i) {
+    run_item<Tag>(items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, out);
+  });
 }
 
 ffi::Error check_shapes(const Shapes& s, int64_t pool_dims, int64_t pool_dim, int64_t query_starts) {
