@@ -17,6 +17,7 @@ alternately with XLA's dots in this process (`packed_over_xla`: XLA's ms over th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import jax
@@ -29,34 +30,18 @@ from cbjax.bench.common import print_table, write_json
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
 
 
-def projections(h, layers):
-    for qkv, o, gate_up, down in layers:
-        h = h + (h @ qkv)[:, :HIDDEN] @ o
-        g = h @ gate_up
-        h = h + (g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:]) @ down
-    return h
-
-
-def packed_projections(h, layers):
-    """The same as projections(), each dot the C++ kernel over packed weights."""
-    from kernels_cpu import packed_matmul_cpu
-
-    for qkv, o, gate_up, down in layers:
-        h = h + packed_matmul_cpu(packed_matmul_cpu(h, qkv)[:, :HIDDEN], o)
-        g = packed_matmul_cpu(h, gate_up)
-        h = h + packed_matmul_cpu(g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:], down)
-    return h
-
-
-def bf16_projections(h, layers):
-    """nnx.Linear with bfloat16 weights and float32 activations (cbjax's CPU bf16 mode): inputs
-    rounded to bfloat16, products summed in float32."""
-    dot = lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)  # noqa: E731
+def projections(h, layers, dot):
+    """30 SmolLM2-shaped layers of projections, each product `dot(x, w)`."""
     for qkv, o, gate_up, down in layers:
         h = h + dot(dot(h, qkv)[:, :HIDDEN], o)
         g = dot(h, gate_up)
         h = h + dot(g[:, :INTERMEDIATE] * g[:, INTERMEDIATE:], down)
     return h
+
+
+def xla_dot(x, w):
+    """As nnx.Linear runs it: inputs in the weights' dtype (bfloat16: cbjax's CPU bf16 mode), sums in float32."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def main() -> None:
@@ -80,12 +65,12 @@ def main() -> None:
     total = jax.jit(jnp.sum)
     rows = [{"what": "sum over the same bytes", "rows": 0,
              "ms": (ms := median_ms(lambda: total(flat), args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
-    steps = {"30 layers of projections": (jax.jit(projections if dtype == jnp.float32 else bf16_projections), layers)}
+    steps = {"30 layers of projections": (jax.jit(functools.partial(projections, dot=xla_dot)), layers)}
     if args.packed:
-        from kernels_cpu import pack_weight
+        from kernels_cpu import pack_weight, packed_matmul_cpu
 
         packed = [tuple(jnp.asarray(pack_weight(np.asarray(w))) for w in layer) for layer in layers]
-        steps["the same, C++ packed matmul"] = (jax.jit(packed_projections), packed)
+        steps["the same, C++ packed matmul"] = (jax.jit(functools.partial(projections, dot=packed_matmul_cpu)), packed)
     for num_rows in args.rows:
         h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
         times = {what: [] for what in steps}
