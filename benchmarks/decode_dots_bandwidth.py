@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks.cpu_steps import median_ms
 from cbjax.bench.common import print_table, write_json
 
-HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 576 + 2 * 192, 30
+HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 576 + 2 * 192, 30, 49152
 
 
 def projections(h, layers, dot):
@@ -52,6 +52,9 @@ def main() -> None:
                    help="the weights'; bfloat16 as the engine runs it on a CPU: inputs rounded to bfloat16, sums in float32")
     p.add_argument("--packed", action="store_true", help="also time the C++ packed-panel matmul")
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds of XLA and the kernel, with --packed")
+    p.add_argument("--tied-head", action="store_true",
+                   help="with --packed: also SmolLM2's tied LM head ([49152, 576] table), as compute_logits runs it "
+                        "against the kernel over the transposed table packed (float32)")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     key = jax.random.key(0)
@@ -65,24 +68,33 @@ def main() -> None:
     total = jax.jit(jnp.sum)
     rows = [{"what": "sum over the same bytes", "rows": 0,
              "ms": (ms := median_ms(lambda: total(flat), args.calls)), "gb_per_s": weight_bytes / ms / 1e6, "gflop_per_s": None}]
-    steps = {"30 layers of projections": (jax.jit(functools.partial(projections, dot=xla_dot)), layers)}
+    # what: (jitted step, its weights, the XLA step it is compared with, bytes and number of weights it reads)
+    base = "30 layers of projections"
+    steps = {base: (jax.jit(functools.partial(projections, dot=xla_dot)), layers, base, weight_bytes, num_weights)}
     if args.packed:
         from kernels_cpu import pack_weight, packed_matmul_cpu
 
         packed = [tuple(jnp.asarray(pack_weight(np.asarray(w))) for w in layer) for layer in layers]
-        steps["the same, C++ packed matmul"] = (jax.jit(functools.partial(projections, dot=packed_matmul_cpu)), packed)
+        steps["the same, C++ packed matmul"] = (
+            jax.jit(functools.partial(projections, dot=packed_matmul_cpu)), packed, base, weight_bytes, num_weights)
+        if args.tied_head:
+            table = jax.random.normal(jax.random.fold_in(key, 4 * LAYERS), (VOCAB, HIDDEN), jnp.float32) * 0.02
+            head = "tied LM head"
+            steps[head] = (jax.jit(lambda h, table: jnp.dot(table, h.T).T), table, head, table.nbytes, table.size)
+            steps["tied LM head, packed matmul"] = (
+                jax.jit(packed_matmul_cpu), jnp.asarray(pack_weight(np.asarray(table).T)), head, table.nbytes, table.size)
     for num_rows in args.rows:
         h = jax.random.normal(key, (num_rows, HIDDEN), jnp.float32)
         times = {what: [] for what in steps}
         for _ in range(args.rounds):
-            for what, (step, weights) in steps.items():
+            for what, (step, weights, *_) in steps.items():
                 times[what].append(median_ms(lambda: step(h, weights), args.calls))
         for what, measured in times.items():
+            _, _, baseline, nbytes, count = steps[what]
             ms = statistics.median(measured)
-            rows.append({"what": what, "rows": num_rows, "ms": ms, "gb_per_s": weight_bytes / ms / 1e6,
-                         "gflop_per_s": 2 * num_rows * num_weights / ms / 1e6,
-                         "packed_over_xla": statistics.median(times["30 layers of projections"]) / ms
-                         if args.packed else None})
+            rows.append({"what": what, "rows": num_rows, "ms": ms, "gb_per_s": nbytes / ms / 1e6,
+                         "gflop_per_s": 2 * num_rows * count / ms / 1e6,
+                         "packed_over_xla": statistics.median(times[baseline]) / ms if args.packed else None})
     print(f"{weight_bytes / 1e6:.0f} MB of {args.dtype} weights, {jax.devices()[0].platform}")
     print_table(rows, ["what", "rows", "ms", "gb_per_s", "gflop_per_s", "packed_over_xla"])
     write_json(args.result_json, {"weight_bytes": weight_bytes, "rows": rows})
