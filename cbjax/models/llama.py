@@ -64,7 +64,7 @@ class Linear(nnx.Linear):
 
 
 # The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) is
-# 1.4-1.65x XLA's bf16 dots at decode steps' 8-16 rows but 0.85-0.93x at prompt steps' 256-512, and
+# 1.4-1.65x XLA's bf16 dots at decode steps' 8-16 rows but 0.89-0.97x at prompt steps' 256-512, and
 # whole engines lost 4-8% with it at 64 sequences of long prompts (BENCHMARKS.md, section 15).
 PACKED_DTYPES = (jnp.dtype(jnp.float32),)
 
