@@ -27,8 +27,8 @@ PHASES = {"scheduler": ["schedule", "update"], "runner": ["prepare", "launch", "
 NAMES = [name for names in PHASES.values() for name in names]
 
 
-def time_phases(engine: Any, steps: list[dict[str, float]]) -> None:
-    """Make each engine step append to `steps` its phases' process CPU time and the decode rows it launched."""
+def time_phases(engine: Any, steps: list[dict[str, float]], clock: Any = time.process_time) -> None:
+    """Make each engine step append to `steps` its phases' times by `clock` and the decode rows it launched."""
     current: dict[str, float] = {}
     for owner, names in PHASES.items():
         target = engine if owner == "engine" else getattr(engine, owner)
@@ -41,11 +41,11 @@ def time_phases(engine: Any, steps: list[dict[str, float]]) -> None:
                 elif _name == "prepare":
                     scheduled = args[0]
                     current["decode_rows"] = len(scheduled.scheduled) if scheduled.is_decode_only else 0
-                start = time.process_time()
+                start = clock()
                 try:
                     return _method(*args, **kwargs)
                 finally:
-                    current[_name] = current.get(_name, 0.0) + time.process_time() - start
+                    current[_name] = current.get(_name, 0.0) + clock() - start
                     if _name == "step":
                         steps.append(dict(current))
 
@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--variant", default="greedy")
     p.add_argument("--output-kind", default="final_only")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: the process's CPU time (XLA's own threads included); wall: elapsed time")
     args = p.parse_args()
     host_parser = argparse.ArgumentParser()
     add_host_parser(host_parser.add_subparsers())
@@ -68,7 +70,7 @@ def main() -> None:
     steps: dict[int, list[dict[str, float]]] = {length: [] for length in args.lengths}
     for length, (engine, timeline) in engines.items():
         run_host(engine, timeline, 16, host_args.prompt_len, host_args.output_len, args.variant, 0.0)  # warm-up
-        time_phases(engine, steps[length])
+        time_phases(engine, steps[length], time.process_time if args.clock == "cpu" else time.perf_counter)
     for repeat in range(args.repeats):
         for length, (engine, timeline) in (list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]):
             run_host(engine, timeline, args.num_running, host_args.prompt_len, host_args.output_len,

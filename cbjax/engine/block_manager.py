@@ -38,7 +38,6 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))  # evicted from the front
         self.block_hashes: list[int | None] = [None] * num_blocks  # the hash a block is cached under
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
-        self.num_hashed_blocks: dict[str, int] = {}  # request id -> its leading blocks already registered
         self.prefix_cache_queries = 0  # tokens of admitted requests that looked up the cache (vLLM counts so)
         self.prefix_cache_hits = 0  # of which found cached
 
@@ -73,12 +72,16 @@ class BlockManager:
             computed.append(block_id)
         return computed
 
+    def has_blocks_to_cache(self, request: Request) -> bool:
+        """Whether cache_full_blocks(request) has anything to register: asked of every request every step."""
+        return self.enable_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * self.block_size
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks of `request` that its computed tokens have filled (their KV is written)."""
         if not self.enable_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        start = self.num_hashed_blocks.get(request.request_id, 0)
+        start = request.num_registered_blocks
         if num_full <= start:
             return
         hashes = extend_block_hashes(request, self.block_size)
@@ -88,7 +91,7 @@ class BlockManager:
             if block_hash not in self.cached_blocks:
                 self.cached_blocks[block_hash] = block_id
                 self.block_hashes[block_id] = block_hash
-        self.num_hashed_blocks[request.request_id] = num_full
+        request.num_registered_blocks = num_full
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); False, doing nothing, while blocks are in use."""
@@ -139,7 +142,7 @@ class BlockManager:
         request.block_ids.extend(computed_blocks)
         num_cached_tokens = len(computed_blocks) * self.block_size
         request.num_computed_tokens += num_cached_tokens
-        self.num_hashed_blocks[request.request_id] = len(computed_blocks)
+        request.num_registered_blocks = len(computed_blocks)
         if self.enable_caching and not computes_whole_prompt(request.sampling_params):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached_tokens
@@ -159,7 +162,7 @@ class BlockManager:
                 if self.block_hashes[block_id] is None:  # nothing to keep: hand it out before any cached block
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_ids.clear()
-        self.num_hashed_blocks.pop(request.request_id, None)
+        request.num_registered_blocks = 0
 
     def check_invariants(self, requests: Iterable[Request]) -> None:
         """For tests: every block but the null one is free or held, refcount = holders, the cache is consistent."""

@@ -263,20 +263,18 @@ class LLMEngine:
         """Read a launched step's tokens into its requests. A request finished since the step was
         launched (aborted, or stopped by the step before) is skipped: its speculative token is
         never shown or counted, and its blocks and penalty slot are already free."""
-        rows = [row for row in launched.scheduled.scheduled if not row.request.is_finished]
         sampled, prompt_logprobs = self.runner.collect(launched)
-        for row in rows if prompt_logprobs else ():
-            if row.request.request_id in prompt_logprobs:
+        for row in launched.scheduled.scheduled if prompt_logprobs else ():
+            if not row.request.is_finished and row.request.request_id in prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
-        self.scheduler.update(launched.scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        # The rows whose requests were still unfinished when the step's tokens came back.
+        live = [(i, request) for i, request in enumerate(sampled.sampling_requests) if not request.is_finished]
+        self.scheduler.update(launched.scheduled, {r.request_id: t for r, t in zip(sampled.sampling_requests, sampled.token_ids)})
         progressed: dict[str, ParentRequest] = {}
-        for row in rows:
-            request = row.request
-            if request.request_id not in sampled:
-                continue
+        for i, request in live:
             # update() already decided EOS / stop token ids / length, so the text can leave a stop token out.
             stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
-            stop = self.output_processor.process_token(request, sampled[request.request_id], stop_terminated)
+            stop = self.output_processor.process_token(request, sampled, i, stop_terminated)
             if stop is not None:
                 if request.is_finished:
                     request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM

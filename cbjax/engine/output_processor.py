@@ -12,7 +12,7 @@ import functools
 
 from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request import Request
-from cbjax.engine.runner import PromptLogprobsChunk, SampledToken
+from cbjax.engine.runner import PromptLogprobsChunk, SampledTokens
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cbjax.sampling_params import RequestOutputKind
 from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,8 +68,8 @@ class OutputProcessor:
                 recorded.append(self._logprob_dict(token_id, chunk.logprobs[i], chunk.ranks[i],
                                                    chunk.top_token_ids[i], chunk.top_logprobs[i]))
 
-    def process_token(self, request: Request, sampled: SampledToken, stop_terminated: bool) -> str | None:
-        """Record the request's newest token; the stop string it completed, if any.
+    def process_token(self, request: Request, sampled: SampledTokens, row: int, stop_terminated: bool) -> str | None:
+        """Record the request's newest token (`row` of `sampled`); the stop string it completed, if any.
 
         vLLM's rules: a token that ended the request as EOS or a stop token id (`stop_terminated`)
         keeps its logprob but adds no text unless include_stop_str_in_output; stop strings are
@@ -77,13 +77,14 @@ class OutputProcessor:
         """
         state = self.texts[request.request_id]
         params = request.sampling_params
-        state.cumulative_logprob += sampled.logprob
+        token_id = sampled.token_ids[row]
         if state.logprobs is not None:
-            state.logprobs.append(self._logprob_dict(sampled.token_id, sampled.logprob, sampled.rank,
-                                                     sampled.top_token_ids, sampled.top_logprobs))
+            logprob = sampled.logprobs[row]
+            state.cumulative_logprob += logprob
+            state.logprobs.append(self._logprob_dict(token_id, logprob, sampled.ranks[row], *sampled.top_of(row)))
         if stop_terminated and not params.include_stop_str_in_output:
             return None
-        delta = state.detokenizer.add_tokens([sampled.token_id])
+        delta = state.detokenizer.add_tokens([token_id])
         state.text += delta
         if not params.stop or not delta or request.num_output_tokens <= params.min_tokens:
             return None

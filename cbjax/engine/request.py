@@ -59,8 +59,15 @@ class Request:
     num_output_placeholders: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     block_ids: list[int] = field(init=False, default_factory=list)
+    # Its leading blocks the block manager has registered in the prefix cache (0 when it holds none).
+    num_registered_blocks: int = field(init=False, default=0)
     # Chained hashes of the full blocks of all_token_ids (prefix caching), grown as tokens arrive.
     block_hashes: list[int] = field(init=False, default_factory=list)
+    # Set by the scheduler when the request is added: the token count at which it stops for
+    # length (max_model_len, or prompt plus max_tokens), and the ids that may stop it when
+    # sampled (eos unless ignore_eos, stop_token_ids): asked of every request every step.
+    max_num_tokens: int = field(init=False, default=0)
+    stop_check_ids: frozenset[int] = field(init=False, default=frozenset())
     # Prompt tokens found in the prefix cache at first admission (vLLM's num_cached_tokens).
     num_cached_tokens: int = field(init=False, default=0)
     num_preemptions: int = field(init=False, default=0)

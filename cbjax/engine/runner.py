@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,14 +87,19 @@ class LaunchedStep:
     result: jax.Array
 
 
-class SampledToken(NamedTuple):  # a tuple: one per running request per step
-    """One request's result of a step, on the host."""
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    """A step's sampled tokens on the host, as columns: row i is the step's i-th request that
+    samples (`sampling_requests`). Columns, not an object per row: they are read every step."""
 
-    token_id: int
-    logprob: float
-    rank: int  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
-    top_token_ids: list[int]  # empty unless the request asked for logprobs
-    top_logprobs: list[float]
+    sampling_requests: list[Any]  # engine.request.Request
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
+    top: dict[int, tuple[list[int], list[float]]]  # by row, for the rows that asked for logprobs: ids and logprobs
+
+    def top_of(self, row: int) -> tuple[list[int], list[float]]:
+        return self.top.get(row, ([], []))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,9 +560,7 @@ class ModelRunner:
         self.penalty_slots.release(request_id)
         self.request_seeds.pop(request_id, None)
 
-    def execute(
-        self, scheduled: SchedulerOutput
-    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobsChunk]]:
+    def execute(self, scheduled: SchedulerOutput) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Run one step and wait for it (see `collect`)."""
         return self.collect(self.dispatch(scheduled))
 
@@ -569,24 +572,21 @@ class ModelRunner:
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
         return LaunchedStep(scheduled, bucket, inputs, result)
 
-    def collect(
-        self, launched: LaunchedStep
-    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobsChunk]]:
+    def collect(self, launched: LaunchedStep) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Wait for a launched step: the sampled token of every request that samples in it, and the
         prompt logprobs scored in it for requests that asked for them."""
         scheduled, inputs = launched.scheduled, launched.inputs
         with peer_failures(self.step_broadcast):
             result = np.asarray(launched.result)
         out: StepOutputs = unpack_host(result, self._out_layouts[launched.bucket])
-        sampled, logprobs = {}, out.sampled.logprobs
+        logprobs = out.sampled.logprobs
         rows = [r.request for r in scheduled.scheduled if r.samples]
         # Whole columns to Python at once: per-row numpy indexing cost microseconds a row.
         token_ids, token_logprobs, ranks = (column[: len(rows)].tolist() for column in
                                             (out.sampled.token_ids, logprobs.logprobs, logprobs.ranks))
-        for i, request in enumerate(rows):
-            n = request.sampling_params.logprobs
-            top_ids, top_logprobs = ([], []) if not n else (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
-            sampled[request.request_id] = SampledToken(token_ids[i], token_logprobs[i], ranks[i], top_ids, top_logprobs)
+        top = {i: (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
+               for i, request in enumerate(rows) if (n := request.sampling_params.logprobs)}
+        sampled = SampledTokens(rows, token_ids, token_logprobs, ranks, top)
         return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt)
 
     @staticmethod

@@ -143,6 +143,11 @@ class Scheduler:
                 f"request {request.request_id} has {request.num_tokens} tokens; it needs "
                 f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
+        params = request.sampling_params
+        request.max_num_tokens = self.max_model_len
+        if params.max_tokens is not None:
+            request.max_num_tokens = min(self.max_model_len, request.num_prompt_tokens + params.max_tokens)
+        request.stop_check_ids = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else request.eos_token_ids)
         self.requests[request.request_id] = request
         if wait_for is None:
             self.waiting.append(request)
@@ -177,19 +182,19 @@ class Scheduler:
         preempted: list[Request] = []
 
         num_prefills = 0  # scheduled requests computing more than one token
-
-        def prefills_left() -> bool:
-            return self.max_num_prefills is None or num_prefills < self.max_num_prefills
+        prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
+        block_size = self.block_manager.block_size
 
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left())
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
             if num_new_tokens == 0:
                 index += 1
                 continue
-            # Most steps most requests decode with room in their last block: nothing to allocate or check.
-            needs_blocks = self.block_manager.num_missing_blocks(request, num_new_tokens) > 0
+            # Most steps most requests decode with room in their last block: nothing to allocate or
+            # check (block_manager.num_missing_blocks() > 0, without the call).
+            needs_blocks = request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_size
             while needs_blocks and not self.block_manager.can_allocate(request, num_new_tokens):
                 victim = self.running.pop()  # scheduled requests sit before `index`: never victims
                 self._preempt(victim)
@@ -200,7 +205,9 @@ class Scheduler:
                 advance = self._allocate if needs_blocks else self._advance
                 scheduled.append(advance(request, num_new_tokens))
                 token_budget -= num_new_tokens
-                num_prefills += num_new_tokens > 1
+                if num_new_tokens > 1:
+                    num_prefills += 1
+                    prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
                 index += 1
 
         while (
@@ -212,7 +219,7 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks = self.block_manager.get_computed_blocks(request)
             num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
-            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left(), num_cached_tokens)
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left, num_cached_tokens)
             if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens, computed_blocks):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -223,7 +230,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._allocate(request, num_new_tokens, computed_blocks))
             token_budget -= num_new_tokens
-            num_prefills += num_new_tokens > 1
+            if num_new_tokens > 1:
+                num_prefills += 1
+                prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
 
         return SchedulerOutput(scheduled, [request.request_id for request in preempted])
 
@@ -232,6 +241,7 @@ class Scheduler:
         finished. A request finished since the step was scheduled (an abort, or a stop found in the
         step before) is skipped: what the step computed for it is discarded."""
         finished = []
+        block_manager = self.block_manager
         for item in scheduler_output.scheduled:
             request = item.request
             if request.is_finished:
@@ -241,21 +251,28 @@ class Scheduler:
                 request.append_output_token(sampled_token_ids[request.request_id])
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
-            if request.status == RequestStatus.RUNNING:  # (a request preempted since holds no blocks)
-                self.block_manager.cache_full_blocks(request)
-            status = self._stop_status(request) if item.samples else None
-            if status is not None:
-                self.finish_request(request.request_id, status)
-                finished.append(request)
+            # (a request preempted since holds no blocks)
+            if request.status is RequestStatus.RUNNING and block_manager.has_blocks_to_cache(request):
+                block_manager.cache_full_blocks(request)
+            if item.samples:
+                status = self._stop_status(request)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    finished.append(request)
         return finished
 
     def _num_new_tokens(
         self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0
     ) -> int:
-        """Tokens to compute for `request` this step (after `num_cached_tokens` found cached); 0 if all must wait."""
-        if request.num_output_placeholders and self._reaches_length_limit(request, request.num_output_placeholders):
-            return 0  # its pending token ends it: a step for it would be thrown away
-        num_new_tokens = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens - num_cached_tokens
+        """Tokens to compute for `request` this step (after `num_cached_tokens` found cached); 0 if all
+        must wait. `token_budget` is at least 1."""
+        pending = request.num_output_placeholders
+        num_tokens = len(request.all_token_ids) + pending
+        if pending and num_tokens >= request.max_num_tokens:
+            return 0  # its pending token ends it (by length): a step for it would be thrown away
+        num_new_tokens = num_tokens - request.num_computed_tokens - num_cached_tokens
+        if num_new_tokens == 1:  # a decode: no limit below applies to it
+            return 1
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         if num_new_tokens > token_budget:
@@ -295,21 +312,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _reaches_length_limit(self, request: Request, pending: int = 0) -> bool:
-        """Its tokens and `pending` more reach max_model_len or max_tokens."""
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens + pending >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens + pending >= max_tokens
-        )
-
     def _stop_status(self, request: Request) -> RequestStatus | None:
-        """vLLM's stop check, run after each sampled token: length first, then eos and stop ids."""
-        params = request.sampling_params
-        if self._reaches_length_limit(request):
+        """vLLM's stop check, run after each sampled token: length first (max_model_len or
+        max_tokens reached), then eos and stop ids."""
+        if len(request.all_token_ids) >= request.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
         last_token_id = request.output_token_ids[-1]
+        params = request.sampling_params
+        if last_token_id not in request.stop_check_ids or request.num_output_tokens < params.min_tokens:
+            return None
         if not params.ignore_eos and last_token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last_token_id in params.stop_token_ids:
