@@ -593,6 +593,8 @@ class ModelRunner:
     def _prompt_logprobs(
         scheduled: SchedulerOutput, inputs: StepInputs, prompt: TokenLogprobs
     ) -> dict[str, PromptLogprobsChunk]:
+        if not (inputs.prompt_logprob_targets >= 0).any():  # nobody's prompt scored: no row to look at
+            return {}
         chunks, offset = {}, 0
         for row in scheduled.scheduled:
             request, start = row.request, row.start
