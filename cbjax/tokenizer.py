@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
-from tokenizers import processors
+from tokenizers import decoders, processors
 
 from cbjax.chat_template import Message, render_chat_template
 
@@ -31,6 +31,10 @@ class Tokenizer:
         self.source = source
         # Each token's text decoded alone, by skip_special_tokens: filled as tokens are met.
         self._token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # Byte-level BPE (GPT-2's, Llama 3's, SmolLM2's) decodes ids to the UTF-8 of their tokens'
+        # bytes, so ids whose text is complete (no U+FFFD) decode to their texts joined: the
+        # incremental detokenizer then needs no window decode for such a token.
+        self.decodes_by_joining = isinstance(backend.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -122,7 +126,9 @@ class IncrementalDetokenizer:
     (sentencepiece's leading-space rule) decode a token differently at the start of a sequence.
     So, as vLLM does, each step decodes a short window of ids: `window[:read_offset]` was emitted
     before and is only context, the rest is new. Text is emitted up to the last complete
-    character; the window moves on once it decodes to complete text.
+    character; the window moves on once it decodes to complete text. With a byte-level BPE
+    tokenizer, a token whose own text is complete, after complete context, needs no window
+    decode: its text is what the window would add (most tokens of most outputs).
     """
 
     # Prompt tokens kept as the first window's context (vLLM uses the same number).
@@ -136,9 +142,18 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)
         self._context_text = self._decode(self._window)
         self._emitted_chars = 0  # of the window's text after `_context_text`, while it still ends incomplete
+        self._joinable = tokenizer.decodes_by_joining and "\ufffd" not in self._context_text
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the text they finalised (empty while it is only part of a character)."""
+        if self._joinable and len(token_ids) == 1 and len(self._window) == self._read_offset:
+            # Nothing pending after complete context (byte-level BPE): a token whose own text is
+            # complete adds just that text, and the window moves on to it, as the general path does.
+            text = self.tokenizer.decode_token(token_ids[0], self.skip_special_tokens)
+            if text and "\ufffd" not in text:
+                self.text += text
+                self._window, self._read_offset, self._context_text = [token_ids[0]], 1, text
+                return text
         self._window.extend(token_ids)
         window_text = self._decode(self._window)
         complete = not window_text.endswith("\ufffd")
@@ -152,6 +167,7 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._window)
             self._context_text = self._decode(self._window)
             self._emitted_chars = 0
+            self._joinable = self.tokenizer.decodes_by_joining and "\ufffd" not in self._context_text
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -4,9 +4,12 @@ Runs on the tiny GGUF of tests/test_gguf_import.py and, when it is on disk, on t
 (CBJAX_SMOLLM2_GGUF, or downloads/ as `fetch_smollm2_gguf("downloads")` leaves it).
 """
 
+import copy
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -156,6 +159,25 @@ def test_incremental_detokenizer_equals_full_decode_at_every_step(model):
             detokenizer = _check_incremental(ours, prompt, output, chunk, skip)
             # Byte-level BPE decodes an output the same with or without the prompt before it.
             assert detokenizer.text == ours.decode(output, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_incremental_detokenizer_joins_complete_token_texts_as_a_window_decode_would(model, data):
+    """Byte-level BPE: the path that joins complete tokens' own texts gives, token by token, what
+    decoding windows gives, on random ids (added and special tokens among them), prompts cut anywhere."""
+    _, _, ours, _ = model
+    assert ours.decodes_by_joining  # both models' GGUF tokenizers are byte-level BPE
+    windows_only = copy.copy(ours)
+    windows_only.decodes_by_joining = False
+    added = sorted(ours.backend.get_added_tokens_decoder())
+    token = st.one_of(st.integers(0, ours.vocab_size - 1), st.sampled_from(added))
+    prompt = data.draw(st.lists(token, max_size=8), label="prompt")
+    output = data.draw(st.lists(token, min_size=1, max_size=24), label="output")
+    skip = data.draw(st.booleans(), label="skip_special_tokens")
+    joined, windowed = IncrementalDetokenizer(ours, prompt, skip), IncrementalDetokenizer(windows_only, prompt, skip)
+    assert [joined.add_tokens([t]) for t in output] == [windowed.add_tokens([t]) for t in output]
+    assert joined.text == windowed.text
 
 
 def test_incremental_detokenizer_holds_back_split_characters(model):
