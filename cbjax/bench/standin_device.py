@@ -31,7 +31,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from cbjax.engine.buckets import Bucket
-from cbjax.engine.packing import PackedLayout, pack_device, unpack, unpack_host
+from cbjax.engine.packing import PackedLayout, pack_device, unpack
 from cbjax.engine.sampler import PADDING_TEMPERATURE
 
 # A host waiting for a result sleeps in slices this short: on a loaded machine one long sleep wakes
@@ -107,6 +107,7 @@ class StandInStep:
         self.bucket, self.layout, self.out_layout = bucket, layout, out_layout
         self.text_token_ids, self.timeline = text_token_ids, timeline
         self._jitted = None
+        self._temperatures = layout.leaf_slice(lambda inputs: inputs.sampling.temperature)  # padding rows: PADDING_TEMPERATURE
 
     def _step(self, weights: Any, *state_and_packed: Any) -> tuple[Any, ...]:
         *state, packed = state_and_packed
@@ -124,8 +125,8 @@ class StandInStep:
         if self._jitted is None:  # everything between the weights and the packed inputs is donated state
             self._jitted = jax.jit(self._step, donate_argnums=tuple(range(1, len(args) - 1)))
         *state, result = self._jitted(*args)
-        sampling = unpack_host(np.asarray(args[-1]), self.layout).sampling
-        step = self.timeline.launch(self.bucket.kind, int(np.sum(sampling.temperature != PADDING_TEMPERATURE)))
+        temperatures = np.asarray(args[-1])[self._temperatures].view(np.float32)
+        step = self.timeline.launch(self.bucket.kind, int(np.count_nonzero(temperatures != PADDING_TEMPERATURE)))
         return (*state, PendingResult(result, step))
 
 

@@ -270,10 +270,11 @@ class LLMEngine:
         # The rows whose requests were still unfinished when the step's tokens came back.
         live = [(i, request) for i, request in enumerate(sampled.sampling_requests) if not request.is_finished]
         self.scheduler.update(launched.scheduled, {r.request_id: t for r, t in zip(sampled.sampling_requests, sampled.token_ids)})
-        progressed: dict[str, ParentRequest] = {}
+        outputs = []
+        with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
         for i, request in live:
             # update() already decided EOS / stop token ids / length, so the text can leave a stop token out.
-            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+            stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
             stop = self.output_processor.process_token(request, sampled, i, stop_terminated)
             if stop is not None:
                 if request.is_finished:
@@ -281,17 +282,24 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
-            if request.is_finished:  # now, not with its last sibling: its penalty slot serves others
+            finished = request.is_finished
+            if finished:  # now, not with its last sibling: its penalty slot serves others
                 self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]
-            progressed[parent.request_id] = parent
-        outputs = []
-        for parent in progressed.values():
-            if parent.finished:
-                outputs.append(self._finish_output(parent))
-            elif self.output_processor.wants_output(parent):
-                outputs.append(self.output_processor.make_output(parent))
+            if len(parent.children) > 1:
+                with_siblings[parent.request_id] = parent
+            else:
+                self._add_output(outputs, parent, finished)
+        for parent in with_siblings.values():
+            self._add_output(outputs, parent, parent.finished)
         return outputs
+
+    def _add_output(self, outputs: list[RequestOutput], parent: ParentRequest, finished: bool) -> None:
+        """The output of a request that progressed, if it finished or someone reads its progress."""
+        if finished:
+            outputs.append(self._finish_output(parent))
+        elif self.output_processor.wants_output(parent):
+            outputs.append(self.output_processor.make_output(parent))
 
     def _finish_output(self, parent: ParentRequest) -> RequestOutput:
         del self.requests[parent.request_id]

@@ -7,6 +7,7 @@ unpacks with static offsets. float32 fields travel as their bit patterns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -26,6 +27,22 @@ class PackedLayout:
     @property
     def size(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes)
+
+    @functools.cached_property
+    def host_views(self) -> list[tuple[int, int, np.dtype, tuple[int, ...]]]:
+        """Each leaf's start and end in the buffer, dtype and shape: what unpack_host slices (every step)."""
+        views, offset = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            size = math.prod(shape)
+            views.append((offset, offset + size, np.dtype(dtype), shape))
+            offset += size
+        return views
+
+    def leaf_slice(self, leaf: Any) -> slice:
+        """Where the leaf picked by `leaf` (a function of the tree, e.g. `lambda t: t.sampling.temperature`) lies in the buffer."""
+        index = leaf(jax.tree_util.tree_unflatten(self.treedef, range(len(self.shapes))))
+        start, end, _, _ = self.host_views[index]
+        return slice(start, end)
 
     @classmethod
     def of(cls, tree: Any) -> "PackedLayout":
@@ -67,9 +84,5 @@ def pack_device(tree: Any) -> jax.Array:
 
 def unpack_host(flat: np.ndarray, layout: PackedLayout) -> Any:
     """Host-side `unpack` of a buffer returned by the step (numpy views, no copies)."""
-    leaves, offset = [], 0
-    for shape, dtype in zip(layout.shapes, layout.dtypes):
-        size = math.prod(shape)
-        leaves.append(flat[offset : offset + size].view(np.dtype(dtype)).reshape(shape))
-        offset += size
+    leaves = [flat[start:end].view(dtype).reshape(shape) for start, end, dtype, shape in layout.host_views]
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)

@@ -254,7 +254,9 @@ class Scheduler:
             # (a request preempted since holds no blocks)
             if request.status is RequestStatus.RUNNING and block_manager.has_blocks_to_cache(request):
                 block_manager.cache_full_blocks(request)
-            if item.samples:
+            # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
+            if item.samples and (len(request.all_token_ids) >= request.max_num_tokens
+                                 or request.output_token_ids[-1] in request.stop_check_ids):
                 status = self._stop_status(request)
                 if status is not None:
                     self.finish_request(request.request_id, status)
@@ -288,7 +290,7 @@ class Scheduler:
     def _advance(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         """Count `num_new_tokens` of `request` as computed by this step (its blocks already hold them)."""
         start = request.num_computed_tokens
-        samples = start + num_new_tokens == request.num_tokens + request.num_output_placeholders
+        samples = start + num_new_tokens == len(request.all_token_ids) + request.num_output_placeholders
         request.num_computed_tokens += num_new_tokens
         request.num_output_placeholders += samples
         return ScheduledRequest(request, num_new_tokens, start, samples)
