@@ -16,6 +16,7 @@ would write, so the step computes the same thing.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import numpy as np
@@ -26,12 +27,15 @@ from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
 
 
+_BLOCK_IDS = operator.attrgetter("block_ids")
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
     """What a prepared step leaves for the next one to follow."""
 
     bucket: Bucket
-    requests: list[Request]  # its rows' requests, in row order
+    requests: tuple[Request, ...]  # its rows' requests, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
     inputs: Any  # its runner.StepInputs (host numpy arrays; only the block table is written after it was packed)
@@ -48,11 +52,12 @@ def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any) -> Pr
         and all(row.samples for row in rows)
         and not (inputs.sampling.suppress_token_ids[: len(rows)] >= 0).any()
     )
+    requests = tuple(row.request for row in rows)
     return PreparedStep(
         bucket,
-        [row.request for row in rows],
+        requests,
         np.fromiter((row.start for row in rows), np.int32, len(rows)),
-        np.fromiter((len(row.request.block_ids) for row in rows), np.int32, len(rows)),
+        np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, len(rows)),
         inputs,
         followable,
     )
@@ -71,11 +76,11 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
         or not scheduled.is_decode_only
     ):
         return None
-    requests = [row.request for row in rows]
+    requests, _, row_starts, _ = zip(*rows)  # the rows' columns (ScheduledRequest's fields), transposed in C
     if requests != previous.requests:  # identity: a Request compares by id
         return None
     num_rows = len(rows)
-    starts = np.fromiter((row.start for row in rows), np.int32, num_rows)
+    starts = np.fromiter(row_starts, np.int32, num_rows)
     if not np.array_equal(starts, previous.starts + 1):
         return None
     old = previous.inputs
@@ -84,7 +89,7 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     # reads a launched step's inputs later (its prompt logprobs' targets) never reads it.
     attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
                                slot_mapping=old.attention.slot_mapping.copy())
-    block_counts = np.fromiter((len(request.block_ids) for request in requests), np.int32, num_rows)
+    block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
     grown = np.flatnonzero(block_counts != previous.block_counts)
     for i in grown.tolist():  # a new block every block_size tokens: a few rows a step
         attn.block_tables[i, : block_counts[i]] = requests[i].block_ids

@@ -475,7 +475,7 @@ class ModelRunner:
     def prepare(self, scheduled: SchedulerOutput) -> tuple[Bucket, StepInputs]:
         """Pick the bucket and fill its host buffers (numpy only: no device arrays, no compiles)."""
         rows = scheduled.scheduled
-        num_prefills = sum(row.num_new_tokens > 1 for row in rows)
+        num_prefills = 0 if scheduled.is_decode_only else sum(row.num_new_tokens > 1 for row in rows)
         if num_prefills > self.config.max_num_prefills:
             raise RuntimeError(
                 f"the scheduler gave {num_prefills} prompt chunks in one step; the compiled steps hold at most "
@@ -584,8 +584,10 @@ class ModelRunner:
         # Whole columns to Python at once: per-row numpy indexing cost microseconds a row.
         token_ids, token_logprobs, ranks = (column[: len(rows)].tolist() for column in
                                             (out.sampled.token_ids, logprobs.logprobs, logprobs.ranks))
-        top = {i: (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
-               for i, request in enumerate(rows) if (n := request.sampling_params.logprobs)}
+        top = {}
+        for i in np.flatnonzero(inputs.sampling.wants_logprobs[: len(rows)]).tolist():  # rows that asked for them
+            n = rows[i].sampling_params.logprobs
+            top[i] = (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
         sampled = SampledTokens(rows, token_ids, token_logprobs, ranks, top)
         return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt)
 

@@ -23,6 +23,7 @@ that it finds that prompt's blocks cached instead of computing them again.
 
 import functools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,9 @@ class ScheduledRequest(NamedTuple):  # a tuple: hundreds are made every step
     samples: bool  # after this step every token is computed, so a new one is sampled
 
 
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
@@ -52,12 +56,13 @@ class SchedulerOutput:
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+        return sum(map(_NUM_NEW_TOKENS, self.scheduled))
 
     @functools.cached_property
     def is_decode_only(self) -> bool:
         """Every scheduled request adds exactly one token (an empty step is not a decode step)."""
-        return bool(self.scheduled) and all(item.num_new_tokens == 1 for item in self.scheduled)
+        # Each scheduled request adds at least one token: one each iff as many tokens as requests.
+        return bool(self.scheduled) and self.num_scheduled_tokens == len(self.scheduled)
 
 
 class Scheduler:
