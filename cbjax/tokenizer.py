@@ -137,12 +137,20 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""
+        self._pieces: list[str] = []  # the text emitted so far, joined when read (`text`)
         self._window = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
         self._read_offset = len(self._window)
         self._context_text = self._decode(self._window)
         self._emitted_chars = 0  # of the window's text after `_context_text`, while it still ends incomplete
         self._joinable = tokenizer.decodes_by_joining and "\ufffd" not in self._context_text
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (pieces kept apart until read: appending to one long string
+        copies it, so a long output would cost time growing with its length every token)."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the text they finalised (empty while it is only part of a character)."""
@@ -151,14 +159,14 @@ class IncrementalDetokenizer:
             # complete adds just that text, and the window moves on to it, as the general path does.
             text = self.tokenizer.decode_token(token_ids[0], self.skip_special_tokens)
             if text and "\ufffd" not in text:
-                self.text += text
+                self._pieces.append(text)
                 self._window, self._read_offset, self._context_text = [token_ids[0]], 1, text
                 return text
         self._window.extend(token_ids)
         window_text = self._decode(self._window)
         complete = not window_text.endswith("\ufffd")
         new_text = window_text.rstrip("\ufffd")[len(self._context_text) + self._emitted_chars :]
-        self.text += new_text
+        self._pieces.append(new_text)
         if not complete:
             self._emitted_chars += len(new_text)
         # Move on only past real text: a window of skipped special tokens is no context for what follows.

@@ -85,7 +85,11 @@ class OutputProcessor:
         if stop_terminated and not params.include_stop_str_in_output:
             return None
         delta = state.detokenizer.add_tokens([token_id])
-        state.text += delta
+        # `state.text += delta` would copy the whole text every token (in place only for a string
+        # nothing else refers to): take it out of state, append, put it back.
+        text, state.text = state.text, ""
+        text += delta
+        state.text = text
         if not params.stop or not delta or request.num_output_tokens <= params.min_tokens:
             return None
         # Only a window around the new text can hold a stop string that was not there before.
