@@ -267,22 +267,24 @@ class LLMEngine:
         for row in launched.scheduled.scheduled if prompt_logprobs else ():
             if not row.request.is_finished and row.request.request_id in prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
-        # The rows whose requests were still unfinished when the step's tokens came back.
-        live = [(i, request) for i, request in enumerate(sampled.sampling_requests) if not request.is_finished]
-        self.scheduler.update(launched.scheduled, {r.request_id: t for r, t in zip(sampled.sampling_requests, sampled.token_ids)})
+        token_ids = {request.request_id: t for request, t in zip(sampled.sampling_requests, sampled.token_ids)}
+        finished_by_update = set(self.scheduler.update(launched.scheduled, token_ids))
         outputs = []
         with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
-        for i, request in live:
+        for i, request in enumerate(sampled.sampling_requests):
+            finished = request.is_finished
+            if finished and request not in finished_by_update:
+                continue  # finished before the step's tokens came back (update skipped it too)
             # update() already decided EOS / stop token ids / length, so the text can leave a stop token out.
             stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
             stop = self.output_processor.process_token(request, sampled, i, stop_terminated)
             if stop is not None:
-                if request.is_finished:
+                if finished:
                     request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished = True
                 request.stop_reason = stop
-            finished = request.is_finished
             if finished:  # now, not with its last sibling: its penalty slot serves others
                 self.runner.release_request(request.request_id)
             parent = self.parents[request.request_id]

@@ -92,7 +92,9 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
     grown = np.flatnonzero(block_counts != previous.block_counts)
     for i in grown.tolist():  # a new block every block_size tokens: a few rows a step
-        attn.block_tables[i, : block_counts[i]] = requests[i].block_ids
+        # A request's blocks only grow while its steps follow each other: write the new ones.
+        old_count, count = int(previous.block_counts[i]), int(block_counts[i])
+        attn.block_tables[i, old_count:count] = requests[i].block_ids[old_count:count]
     positions = old.positions.copy()
     positions[:num_rows] = starts
     attn.seq_lens[:num_rows] = starts + 1
