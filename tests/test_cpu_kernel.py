@@ -36,6 +36,13 @@ CASES = [
 ]
 
 
+def jit_reference(q, k_pages, v_pages, metadata, block_q: int):
+    """The jnp reference compiled whole: op by op, each new batch shape cost seconds of small compiles."""
+    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q))(
+        q, k_pages, v_pages, metadata
+    )
+
+
 def run_both(case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int):
     """The kernel and the reference on fill_pool's NaN-filled pools, with float32 queries (CPU activations)."""
     rng = np.random.default_rng(seed)
@@ -43,7 +50,7 @@ def run_both(case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int
     q = random_q(rng, case, num_tokens).astype(jnp.float32)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
     out = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE))(q, k_pages, v_pages, metadata)
-    ref = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, block_q=4)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4)
     return np.asarray(out), np.asarray(ref)
 
 
@@ -88,7 +95,7 @@ def test_long_prefill_spans_several_query_tiles_and_key_chunks():
     metadata = ragged_metadata([150], [seq_len], block_tables, 160)
     k_pages, v_pages = jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16)
     out = ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, SM_SCALE)
-    ref = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, block_q=16)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=16)
     assert_close(np.asarray(out), np.asarray(ref))
 
 
@@ -139,7 +146,7 @@ def test_fused_write_equals_write_kv_then_attention(dtype):
     for got, want in ((k_out, k_ref), (v_out, v_ref)):  # block 0 (the null block) holds garbage by contract
         np.testing.assert_array_equal(np.asarray(got)[:, 1:].view(bits), np.asarray(want)[:, 1:].view(bits))
     if dtype == jnp.float32:  # the huge values overflow 16-bit pools, so compare attention in float32 only
-        ref = ragged_paged_attention_reference(q, k_ref, v_ref, metadata, SM_SCALE, block_q=4)
+        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4)
         rows = np.arange(num_tokens) != 0  # token 0 (request 0) reads the NaN written into V
         np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(ref)[rows], rtol=2e-5, atol=2e-5)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -67,9 +69,9 @@ def test_ragged_reference_equals_dense_attention_per_request(tile_tokens, block_
         rng, requests, num_kv_heads=2, num_q_heads=6, head_dim=16, block_size=8, num_blocks=24,
         max_blocks=6, num_tokens=24, num_reqs=8,
     )
-    out = np.asarray(ragged_paged_attention_reference(
-        q, k_pages, v_pages, metadata, 16**-0.5, tile_tokens=tile_tokens, block_q=block_q
-    ))
+    out = np.asarray(jax.jit(functools.partial(
+        ragged_paged_attention_reference, sm_scale=16**-0.5, tile_tokens=tile_tokens, block_q=block_q
+    ))(q, k_pages, v_pages, metadata))
     np.testing.assert_allclose(out, expected, atol=2e-5)
     assert not out[20:].any()  # padding tokens give 0
 
@@ -81,7 +83,8 @@ def test_decode_reference_equals_dense_attention_and_padded_rows_give_zero():
         rng, requests, num_kv_heads=1, num_q_heads=4, head_dim=32, block_size=8, num_blocks=16,
         max_blocks=5, num_tokens=6, num_reqs=6,
     )
-    out = np.asarray(paged_decode_attention_reference(q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, 32**-0.5))
+    decode = jax.jit(functools.partial(paged_decode_attention_reference, sm_scale=32**-0.5))
+    out = np.asarray(decode(q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables))
     np.testing.assert_allclose(out[:5], expected[:5], atol=2e-5)
     assert not out[5].any()
 
@@ -101,8 +104,8 @@ def test_mixed_reference_runs_one_token_requests_through_the_decode_path(block_q
         rng, requests, num_kv_heads=2, num_q_heads=6, head_dim=16, block_size=8, num_blocks=40,
         max_blocks=6, num_tokens=num_tokens, num_reqs=len(requests) + 2,
     )
-    out = np.asarray(mixed_paged_attention_reference(
-        q, k_pages, v_pages, metadata, 16**-0.5, block_q=block_q, max_prefill_reqs=max_prefill_reqs
-    ))
+    out = np.asarray(jax.jit(functools.partial(
+        mixed_paged_attention_reference, sm_scale=16**-0.5, block_q=block_q, max_prefill_reqs=max_prefill_reqs
+    ))(q, k_pages, v_pages, metadata))
     np.testing.assert_allclose(out, expected, atol=2e-5)
     assert not out[-3:].any()  # padding tokens give 0
