@@ -29,8 +29,10 @@ class Tokenizer:
         self._eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.source = source
-        # Each token's text decoded alone, by skip_special_tokens: filled as tokens are met.
+        # Each token's text decoded alone, by skip_special_tokens: filled as tokens are met. And the
+        # same for the detokenizer's joining path, "" where that text is not complete.
         self._token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        self._complete_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
         # Byte-level BPE (GPT-2's, Llama 3's, SmolLM2's) decodes ids to the UTF-8 of their tokens'
         # bytes, so ids whose text is complete (no U+FFFD) decode to their texts joined: the
         # incremental detokenizer then needs no window decode for such a token.
@@ -80,6 +82,16 @@ class Tokenizer:
             text = texts[token_id] = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
         return text
 
+    def complete_texts(self, skip_special_tokens: bool) -> dict[int, str]:
+        """The cache complete_token_text fills: the detokenizer reads it directly, every token."""
+        return self._complete_texts[skip_special_tokens]
+
+    def complete_token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode_token's text if it is complete text (not empty, no character cut short), else ""."""
+        text = self.decode_token(token_id, skip_special_tokens)
+        complete = self._complete_texts[skip_special_tokens][token_id] = text if "\ufffd" not in text else ""
+        return complete
+
     @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can produce, added tokens included (transformers' `len(tokenizer)`)."""
@@ -119,7 +131,8 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing output, emitted piece by piece, in O(new tokens) per call.
+    """Text of a growing output, emitted piece by piece, in O(new tokens) per call (the caller
+    joins the pieces).
 
     Decoding a token alone is wrong for two reasons: a byte-level token can hold part of a
     multi-byte character (its decode ends in U+FFFD until the rest arrives), and some tokenizers
@@ -137,36 +150,35 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._pieces: list[str] = []  # the text emitted so far, joined when read (`text`)
         self._window = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
         self._read_offset = len(self._window)
         self._context_text = self._decode(self._window)
         self._emitted_chars = 0  # of the window's text after `_context_text`, while it still ends incomplete
         self._joinable = tokenizer.decodes_by_joining and "\ufffd" not in self._context_text
+        self._complete_texts = tokenizer.complete_texts(skip_special_tokens)
 
-    @property
-    def text(self) -> str:
-        """Everything emitted so far (pieces kept apart until read: appending to one long string
-        copies it, so a long output would cost time growing with its length every token)."""
-        if len(self._pieces) > 1:
-            self._pieces[:] = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+    def add_token(self, token_id: int) -> str:
+        """Append one sampled id; return the text it finalised (empty while it is only part of a character)."""
+        if self._joinable and len(self._window) == self._read_offset:
+            # Nothing pending after complete context (byte-level BPE): a token whose own text is
+            # complete adds just that text, and the window moves on to it, as the general path does.
+            text = self._complete_texts.get(token_id)
+            if text is None:
+                text = self.tokenizer.complete_token_text(token_id, self.skip_special_tokens)
+            if text:
+                self._window, self._read_offset, self._context_text = [token_id], 1, text
+                return text
+        return self._add_to_window([token_id])
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the text they finalised (empty while it is only part of a character)."""
-        if self._joinable and len(token_ids) == 1 and len(self._window) == self._read_offset:
-            # Nothing pending after complete context (byte-level BPE): a token whose own text is
-            # complete adds just that text, and the window moves on to it, as the general path does.
-            text = self.tokenizer.decode_token(token_ids[0], self.skip_special_tokens)
-            if text and "\ufffd" not in text:
-                self._pieces.append(text)
-                self._window, self._read_offset, self._context_text = [token_ids[0]], 1, text
-                return text
+        return self.add_token(token_ids[0]) if len(token_ids) == 1 else self._add_to_window(token_ids)
+
+    def _add_to_window(self, token_ids: Sequence[int]) -> str:
         self._window.extend(token_ids)
         window_text = self._decode(self._window)
         complete = not window_text.endswith("\ufffd")
         new_text = window_text.rstrip("\ufffd")[len(self._context_text) + self._emitted_chars :]
-        self._pieces.append(new_text)
         if not complete:
             self._emitted_chars += len(new_text)
         # Move on only past real text: a window of skipped special tokens is no context for what follows.
