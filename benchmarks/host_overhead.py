@@ -108,7 +108,7 @@ def scheduler_alone(num_requests: int, prompt_len: int, steps: int, block_size: 
     while scheduler.has_unfinished_requests():
         start = time.perf_counter()
         out = scheduler.schedule()
-        scheduler.update(out, {row.request.request_id: 5 for row in out.scheduled if row.samples})
+        scheduler.update(out, [5 for row in out.scheduled if row.samples])
         times.append((time.perf_counter() - start, out.is_decode_only))
     decode = [t for t, is_decode in times if is_decode]
     return dict(num_running=num_requests, scheduler_ms_per_step=float(np.median(decode)) * 1e3)

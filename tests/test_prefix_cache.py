@@ -128,7 +128,7 @@ def test_scheduler_starts_a_cached_prompt_after_its_hit_and_counts_it_like_vllm(
     manager = BlockManager(num_blocks=32, block_size=4, enable_caching=True)
     scheduler = Scheduler(4, 64, 64, manager)
     scheduler.add_request(make_request("a", list(range(10)), max_tokens=1))
-    scheduler.update(out := scheduler.schedule(), {"a": 5})
+    scheduler.update(out := scheduler.schedule(), [5])
     assert [(i.num_new_tokens, i.start) for i in out.scheduled] == [(10, 0)]
     scheduler.add_request(make_request("b", list(range(10)), max_tokens=1))
     out = scheduler.schedule()
@@ -148,7 +148,7 @@ def test_a_held_request_waits_for_the_prompt_it_shares():
     for token in (5, 6, 7):
         out = scheduler.schedule()
         plans.append([(i.request.request_id, i.num_new_tokens, i.start) for i in out.scheduled])
-        scheduler.update(out, {i.request.request_id: token for i in out.scheduled if i.samples})
+        scheduler.update(out, [token for i in out.scheduled if i.samples])
     # 14 prompt tokens in chunks of 8; then the second finds 3 cached blocks and computes 2 tokens.
     assert plans == [[("0_p", 8, 0)], [("0_p", 6, 8)], [("0_p", 1, 14), ("1_p", 2, 12)]]
 
@@ -180,7 +180,7 @@ class FakeModel:
     def __init__(self, num_blocks: int):
         self.pool = [[None] * BLOCK_SIZE for _ in range(num_blocks)]
 
-    def run(self, output: SchedulerOutput) -> dict[str, int]:
+    def run(self, output: SchedulerOutput) -> list[int]:
         # Every read before any write: stricter than the model, so a block cached before it is written fails.
         for reading in (True, False):
             for item in output.scheduled:
@@ -195,7 +195,7 @@ class FakeModel:
                         )
                     else:
                         self.pool[block][offset] = want
-        return {i.request.request_id: next_token(i.request.all_token_ids) for i in output.scheduled if i.samples}
+        return [next_token(i.request.all_token_ids) for i in output.scheduled if i.samples]
 
     def wipe_unused(self, manager: BlockManager) -> None:
         for block in manager.free_block_ids:

@@ -44,7 +44,7 @@ def plan(output: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
 def step(scheduler: Scheduler, token_id: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step whose model samples `token_id` for every request that samples."""
     output = scheduler.schedule()
-    sampled = {item.request.request_id: token_id for item in output.scheduled if item.samples}
+    sampled = [token_id for item in output.scheduled if item.samples]
     return output, scheduler.update(output, sampled)
 
 
@@ -283,14 +283,15 @@ class FakeModel:
     def slot(self, request: Request, position: int) -> tuple[int, int]:
         return request.block_ids[position // self.block_size], position % self.block_size
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        """The token each request that samples samples, in the step's order."""
         for item in output.scheduled:
             request = item.request
             assert item.start + item.num_new_tokens == request.num_computed_tokens  # counted when scheduled
             for position in range(item.start, item.start + item.num_new_tokens):
                 entry = (request.request_id, position, request.all_token_ids[position])
                 self.kv_pool[self.slot(request, position)] = entry
-        sampled = {}
+        sampled = []
         for item in output.scheduled:
             if item.samples:
                 request = item.request
@@ -298,7 +299,7 @@ class FakeModel:
                 assert context == [(request.request_id, p, t)
                                    for p, t in enumerate(request.all_token_ids)]
                 key = repr((request.request_id, request.all_token_ids)).encode()
-                sampled[request.request_id] = zlib.crc32(key) % VOCAB_SIZE
+                sampled.append(zlib.crc32(key) % VOCAB_SIZE)
         return sampled
 
 

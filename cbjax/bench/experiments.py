@@ -122,7 +122,7 @@ def simulate_paged(requests, num_blocks: int, block_size: int, max_model_len: in
         if scheduler.num_waiting:
             full_running.append(running[-1])
             full_waste.append(waste[-1])
-        scheduler.update(out, {row.request.request_id: 3 for row in out.scheduled if row.samples})
+        scheduler.update(out, [3 for row in out.scheduled if row.samples])
     return {
         "paged_max_concurrent": max(running),
         "paged_median_concurrent_while_queue_nonempty": float(np.median(full_running or [0])),

@@ -267,27 +267,34 @@ class LLMEngine:
         for row in launched.scheduled.scheduled if prompt_logprobs else ():
             if not row.request.is_finished and row.request.request_id in prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
-        token_ids = {request.request_id: t for request, t in zip(sampled.sampling_requests, sampled.token_ids)}
-        finished_by_update = set(self.scheduler.update(launched.scheduled, token_ids))
+        finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
+        finished_by_update = set(finished_now)
         outputs = []
         with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
-        for i, request in enumerate(sampled.sampling_requests):
+        output_processor, parents = self.output_processor, self.parents
+        watched, wants_output = output_processor.watched, output_processor.wants_output
+        if watched or output_processor.report_every_step:
+            rows = enumerate(sampled.sampling_requests)
+        else:  # nobody reads a token before its request finishes (LLM.generate's): only the finished need a
+            rows = ((None, request) for request in finished_now)  # look, and no row (process_token is for watched ones)
+        for row, request in rows:
             finished = request.is_finished
             if finished and request not in finished_by_update:
                 continue  # finished before the step's tokens came back (update skipped it too)
-            # update() already decided EOS / stop token ids / length, so the text can leave a stop token out.
-            stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
-            stop = self.output_processor.process_token(request, sampled, i, stop_terminated)
-            if stop is not None:
-                if finished:
-                    request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
-                else:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                    finished = True
-                request.stop_reason = stop
+            if request in watched:
+                stop = output_processor.process_token(request, sampled, row)
+                if stop is not None:
+                    if finished:
+                        request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
+                    else:
+                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                        finished = True
+                    request.stop_reason = stop
             if finished:  # now, not with its last sibling: its penalty slot serves others
                 self.runner.release_request(request.request_id)
-            parent = self.parents[request.request_id]
+            elif not wants_output(request):
+                continue  # nothing to report (its siblings, if any, share its output kind)
+            parent = parents[request.request_id]
             if len(parent.children) > 1:
                 with_siblings[parent.request_id] = parent
             else:
@@ -300,7 +307,7 @@ class LLMEngine:
         """The output of a request that progressed, if it finished or someone reads its progress."""
         if finished:
             outputs.append(self._finish_output(parent))
-        elif self.output_processor.wants_output(parent):
+        elif self.output_processor.wants_output(parent.children[0]):
             outputs.append(self.output_processor.make_output(parent))
 
     def _finish_output(self, parent: ParentRequest) -> RequestOutput:

@@ -2,7 +2,10 @@
 
 Outputs are built only where someone reads them (vLLM V1's OutputProcessor): a FINAL_ONLY
 request (LLM.generate's, a server's non-streamed one) gets no RequestOutput until it finishes,
-and a DELTA request (a server's stream) only what is new since its previous one.
+and a DELTA request (a server's stream) only what is new since its previous one. Text is made
+the same way: a request's tokens are detokenized when an output reads its text, or as each
+token comes where stop strings must be checked on it; the detokenizer sees the same tokens one
+by one either way, so the text is the same.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 import functools
 
 from cbjax.engine.parallel_sampling import ParentRequest
-from cbjax.engine.request import Request
+from cbjax.engine.request import Request, RequestStatus
 from cbjax.engine.runner import PromptLogprobsChunk, SampledTokens
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cbjax.sampling_params import RequestOutputKind
@@ -26,6 +29,7 @@ class RequestText:
     detokenizer: IncrementalDetokenizer
     longest_stop: int  # the longest stop string's length (0: none), asked of every token
     text: str = ""
+    num_detokenized: int = 0  # output tokens the text covers (the detokenizer has seen)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob]] | None = None  # from the second prompt token on
@@ -39,13 +43,18 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.texts: dict[str, RequestText] = {}
+        # Requests the engine looks at every step they sample (stop strings are checked on each
+        # token's text, logprobs come with the step, streams get an output): the others only when
+        # they finish, so a step of LLM.generate's requests costs nothing here per request.
+        self.watched: set[Request] = set()
         # Set by a reader of every request's progress (the server's metrics): FINAL_ONLY requests
         # then get an output every step as well, which their callers' streams do not show.
         self.report_every_step = False
 
-    def wants_output(self, parent: ParentRequest) -> bool:
-        """Whether an unfinished request's progress this step needs a RequestOutput."""
-        return self.report_every_step or parent.children[0].sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
+    def wants_output(self, request: Request) -> bool:
+        """Whether an unfinished request's progress this step needs a RequestOutput (of its parent:
+        the children of one parent share their output kind)."""
+        return self.report_every_step or request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
 
     def add_request(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
@@ -58,6 +67,8 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+        if params.stop or params.logprobs is not None or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self.watched.add(request)
 
     def add_prompt_logprobs(self, request_id: str, chunk: PromptLogprobsChunk) -> None:
         """Record the prompt logprobs a step scored; positions already recorded (a preempted request
@@ -68,38 +79,49 @@ class OutputProcessor:
                 recorded.append(self._logprob_dict(token_id, chunk.logprobs[i], chunk.ranks[i],
                                                    chunk.top_token_ids[i], chunk.top_logprobs[i]))
 
-    def process_token(self, request: Request, sampled: SampledTokens, row: int, stop_terminated: bool) -> str | None:
-        """Record the request's newest token (`row` of `sampled`); the stop string it completed, if any.
-
-        vLLM's rules: a token that ended the request as EOS or a stop token id (`stop_terminated`)
-        keeps its logprob but adds no text unless include_stop_str_in_output; stop strings are
-        matched only once more than min_tokens output tokens exist.
-        """
+    def process_token(self, request: Request, sampled: SampledTokens, row: int) -> str | None:
+        """Record the newest token of a watched request: its logprob (`row` of `sampled`) and, where
+        stop strings are checked on it, its text; the stop string it completed, if any."""
         state = self.texts[request.request_id]
-        params = request.sampling_params
-        token_id = sampled.token_ids[row]
         if state.logprobs is not None:
-            logprob = sampled.logprobs[row]
+            token_id, logprob = sampled.token_ids[row], sampled.logprobs[row]
             state.cumulative_logprob += logprob
             state.logprobs.append(self._logprob_dict(token_id, logprob, sampled.ranks[row], *sampled.top_of(row)))
-        if stop_terminated and not params.include_stop_str_in_output:
+        return self._detokenize(request, state) if request.sampling_params.stop else None
+
+    def _detokenize(self, request: Request, state: RequestText) -> str | None:
+        """Bring the text up to the request's newest token; the stop string found, if any (the text
+        then ends there).
+
+        vLLM's rules: a token that ended the request as EOS or a stop token id keeps its logprob
+        but adds no text unless include_stop_str_in_output; stop strings are matched, token by
+        token, only once more than min_tokens output tokens exist.
+        """
+        tokens, params = request.output_token_ids, request.sampling_params
+        start, end = state.num_detokenized, len(tokens)
+        if start == end:
             return None
-        delta = state.detokenizer.add_tokens([token_id])
+        state.num_detokenized = end
+        if (request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+                and not params.include_stop_str_in_output):
+            end -= 1  # the last token is the eos or stop token id that ended it
         # `state.text += delta` would copy the whole text every token (in place only for a string
         # nothing else refers to): take it out of state, append, put it back.
-        text, state.text = state.text, ""
-        text += delta
+        add_token, text, state.text = state.detokenizer.add_token, state.text, ""
+        for index in range(start, end):
+            delta = add_token(tokens[index])
+            if not delta:
+                continue
+            text += delta
+            if params.stop and index >= params.min_tokens:
+                # Only a window around the new text can hold a stop string that was not there before.
+                window_start = max(0, len(text) - len(delta) - state.longest_stop + 1)
+                for stop in params.stop:
+                    found = text.find(stop, window_start)
+                    if found != -1:
+                        state.text = text[: found + len(stop) if params.include_stop_str_in_output else found]
+                        return stop
         state.text = text
-        if not params.stop or not delta or request.num_output_tokens <= params.min_tokens:
-            return None
-        # Only a window around the new text can hold a stop string that was not there before.
-        window_start = max(0, len(state.text) - len(delta) - state.longest_stop + 1)
-        for stop in params.stop:
-            index = state.text.find(stop, window_start)
-            if index != -1:
-                end = index + len(stop) if params.include_stop_str_in_output else index
-                state.text = state.text[:end]
-                return stop
         return None
 
     def _logprob_dict(
@@ -134,10 +156,12 @@ class OutputProcessor:
         if finished:
             for child in parent.children:
                 del self.texts[child.request_id]
+                self.watched.discard(child)
         return output
 
     def _completion(self, request: Request, index: int, delta: bool) -> CompletionOutput:
         state = self.texts[request.request_id]
+        self._detokenize(request, state)  # a watched request's text is up to date already, stop strings checked
         params, text_end = request.sampling_params, len(state.text)
         if not request.is_finished and params.stop and not params.include_stop_str_in_output:
             # As vLLM streams: hold back the characters that may yet begin a stop string.

@@ -39,8 +39,8 @@ class Request:
 
     `sampling_params` is duck-typed: the scheduler reads `max_tokens` (None = up to
     max_model_len), `min_tokens`, `stop_token_ids` and `ignore_eos`.
-    Output tokens are added only through `append_output_token`, which keeps
-    `all_token_ids` (prompt + output) in step.
+    Output tokens are added only through `append_output_token` (or the scheduler's update,
+    which does the same inline), which keeps `all_token_ids` (prompt + output) in step.
     """
 
     request_id: str

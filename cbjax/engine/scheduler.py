@@ -26,7 +26,7 @@ import logging
 import operator
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -190,9 +190,21 @@ class Scheduler:
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
         block_size = self.block_manager.block_size
 
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        index, running = 0, self.running
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            start, pending = request.num_computed_tokens, request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + pending
+            if num_tokens == start + 1 and start < len(request.block_ids) * block_size and (
+                not pending or num_tokens < request.max_num_tokens
+            ):
+                # A decode with room in its last block, most requests most steps: what _num_new_tokens,
+                # the block check and _advance decide for it, without the calls (hundreds a step).
+                request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
+                scheduled.append(ScheduledRequest(request, 1, start, True))
+                token_budget -= 1
+                index += 1
+                continue
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
             if num_new_tokens == 0:
                 index += 1
@@ -241,27 +253,30 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, [request.request_id for request in preempted])
 
-    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Record the step's sampled tokens and cache the blocks it filled; return the requests that
-        finished. A request finished since the step was scheduled (an abort, or a stop found in the
-        step before) is skipped: what the step computed for it is discarded."""
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Record the step's sampled tokens (one per scheduled request that samples, in their order)
+        and cache the blocks it filled; return the requests that finished, in that order. A request
+        finished since the step was scheduled (an abort, or a stop found in the step before) is
+        skipped: what the step computed for it is discarded."""
         finished = []
         block_manager = self.block_manager
-        for item in scheduler_output.scheduled:
-            request = item.request
+        sampled = iter(sampled_token_ids)
+        for request, _, _, samples in scheduler_output.scheduled:
+            if samples:
+                token_id = next(sampled)
             if request.is_finished:
                 continue
-            if item.samples:
+            if samples:
                 request.num_output_placeholders -= 1
-                request.append_output_token(sampled_token_ids[request.request_id])
+                request.output_token_ids.append(token_id)  # Request.append_output_token, inlined: every token
+                request.all_token_ids.append(token_id)
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
             # (a request preempted since holds no blocks)
             if request.status is RequestStatus.RUNNING and block_manager.has_blocks_to_cache(request):
                 block_manager.cache_full_blocks(request)
             # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
-            if item.samples and (len(request.all_token_ids) >= request.max_num_tokens
-                                 or request.output_token_ids[-1] in request.stop_check_ids):
+            if samples and (len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids):
                 status = self._stop_status(request)
                 if status is not None:
                     self.finish_request(request.request_id, status)
