@@ -36,6 +36,7 @@ class PreparedStep:
 
     bucket: Bucket
     requests: tuple[Request, ...]  # its rows' requests, in row order
+    sampling_requests: tuple[Request, ...]  # those of its rows that sample, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
     inputs: Any  # its runner.StepInputs (host numpy arrays; only the block table is written after it was packed)
@@ -56,6 +57,7 @@ def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any) -> Pr
     return PreparedStep(
         bucket,
         requests,
+        requests if followable else tuple(row.request for row in rows if row.samples),
         np.fromiter((row.start for row in rows), np.int32, len(rows)),
         np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, len(rows)),
         inputs,
@@ -107,7 +109,7 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     sampling.counters[:num_rows] += 1
     inputs = dataclasses.replace(old, token_ids=token_ids, token_sources=token_sources, positions=positions,
                                  attention=attn, sampling=sampling)
-    return inputs, PreparedStep(bucket, requests, starts, block_counts, inputs, True)
+    return inputs, PreparedStep(bucket, requests, requests, starts, block_counts, inputs, True)
 
 
 def slots(block_tables: Int[np.ndarray, "reqs width"], rows: Int[np.ndarray, "tokens"],

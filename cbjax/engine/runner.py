@@ -84,6 +84,7 @@ class LaunchedStep:
     scheduled: SchedulerOutput
     bucket: Bucket
     inputs: StepInputs
+    sampling_requests: tuple[Any, ...]  # the scheduled requests that sample, in row order
     result: jax.Array
 
 
@@ -92,7 +93,7 @@ class SampledTokens:
     """A step's sampled tokens on the host, as columns: row i is the step's i-th request that
     samples (`sampling_requests`). Columns, not an object per row: they are read every step."""
 
-    sampling_requests: list[Any]  # engine.request.Request
+    sampling_requests: tuple[Any, ...]  # engine.request.Request
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
@@ -570,7 +571,7 @@ class ModelRunner:
         with peer_failures(self.step_broadcast):  # multi-host: a dead peer fails the step's collectives
             result = self.launch(bucket, pack(inputs))
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
-        return LaunchedStep(scheduled, bucket, inputs, result)
+        return LaunchedStep(scheduled, bucket, inputs, self._prepared.sampling_requests, result)
 
     def collect(self, launched: LaunchedStep) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Wait for a launched step: the sampled token of every request that samples in it, and the
@@ -580,7 +581,7 @@ class ModelRunner:
             result = np.asarray(launched.result)
         out: StepOutputs = unpack_host(result, self._out_layouts[launched.bucket])
         logprobs = out.sampled.logprobs
-        rows = [r.request for r in scheduled.scheduled if r.samples]
+        rows = launched.sampling_requests
         # Whole columns to Python at once: per-row numpy indexing cost microseconds a row.
         token_ids, token_logprobs, ranks = (column[: len(rows)].tolist() for column in
                                             (out.sampled.token_ids, logprobs.logprobs, logprobs.ranks))
