@@ -30,9 +30,19 @@ def main() -> None:
         use_tqdm=False,
     )
     runner = llm.llm_engine.runner
+    # The first prompt four times at once: each finds its cached blocks, more block-table entries
+    # than a step carries, so the leader sends the surplus to the worker first (runner.write_table).
+    table_writes, write_table = [], runner.write_table
+    runner.write_table = lambda packed: (table_writes.append(1), write_table(packed))
+    repeated = llm.generate([{"prompt_token_ids": prompts()[0]}] * 4,
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    del runner.write_table
     k_pages = runner.kv_caches[0][0]
     print("RESULT " + json.dumps({
         "token_ids": [o.outputs[0].token_ids for o in outputs],
+        "repeated_token_ids": [o.outputs[0].token_ids for o in repeated],
+        "repeated_cached_tokens": [o.num_cached_tokens for o in repeated],
+        "table_writes": len(table_writes),
         "num_preemptions": llm.get_stats()["num_preemptions"],
         "pool_devices": sorted(f"{d.process_index}:{d.id}" for d in k_pages.sharding.device_set),
         "pool_local_shard_shapes": sorted({tuple(s.data.shape) for s in k_pages.addressable_shards}),

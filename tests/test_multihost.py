@@ -129,6 +129,10 @@ def test_two_processes_tp4_greedy_equals_transformers(run):
     # Prompts of 60/45/37 tokens are prefilled in chunks of 32, and the 20-block pool preempts.
     assert run["token_ids"] == run["expected"]
     assert run["num_preemptions"] > 0
+    # The first prompt again, four times: from the prefix cache, its block-table entries sent ahead of the step.
+    assert run["repeated_token_ids"] == [run["expected"][0]] * 4
+    cached = run["repeated_cached_tokens"]  # (what the small pool kept of the prompt's 7 full blocks)
+    assert len(set(cached)) == 1 and cached[0] > 0 and run["table_writes"] > 0
 
 
 def test_pool_spans_both_processes_devices(run):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cbjax.engine.penalty_state import (
-    NO_SLOT, PenaltySlots, init_penalty_state, penalty_state_bytes, record_step_tokens, slot_rows,
+    NO_SLOT, init_penalty_state, penalty_state_bytes, record_step_tokens, slot_rows,
 )
 
 VOCAB = 16
@@ -57,17 +57,6 @@ def test_restarting_at_position_0_clears_only_that_slot():
     np.testing.assert_array_equal(np.asarray(counts[0]), expected_rows([5, 6], [7])[1])
     np.testing.assert_array_equal(np.asarray(seen[1]), expected_rows([8], [9])[0])
     np.testing.assert_array_equal(np.asarray(counts[1]), expected_rows([8], [9])[1])
-
-
-def test_slots_are_reused_after_release_and_exhaustion_is_named():
-    slots = PenaltySlots(2)
-    a, b = slots.slot("a"), slots.slot("b")
-    assert {a, b} == {0, 1} and slots.slot("a") == a
-    with pytest.raises(RuntimeError, match="no penalty slot left for request c: all 2 are held"):
-        slots.slot("c")
-    slots.release("a")
-    slots.release("never-held")
-    assert slots.slot("c") == a
 
 
 def test_the_bytes_set_aside_for_the_table_are_what_it_allocates():

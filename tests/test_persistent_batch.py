@@ -6,6 +6,7 @@ the engine's outputs are the same with following turned off."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jax
@@ -46,10 +47,12 @@ class CheckedPrepare:
 
     def __call__(self, scheduled):
         runner = self.runner
-        saved = runner._prepared, runner._last_sampling_rows
+        # What prepare changes besides its result: the step it follows, and the slots and block-table
+        # writes it hands out (the reference's writes must not count as sent).
+        saved = runner._prepared, runner._last_sampling_rows, copy.deepcopy(runner.slots), copy.deepcopy(runner.table)
         runner.follow_decode_steps = False
         reference_bucket, reference = self.prepare(scheduled)
-        runner._prepared, runner._last_sampling_rows = saved
+        runner._prepared, runner._last_sampling_rows, runner.slots, runner.table = saved
         runner.follow_decode_steps = True
         self.hit = False
         bucket, inputs = self.prepare(scheduled)

@@ -195,3 +195,25 @@ def test_aborting_an_n3_request_returns_every_completion(cached):
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
     assert not engine.has_unfinished_requests()
     check_pool_is_clean(engine)
+
+
+def test_requests_admitted_with_more_cached_blocks_than_a_step_writes_get_them_first(cached, uncached):
+    """Four requests each find 10 cached blocks and decode from there in one step: 40 block-table
+    entries, more than any step carries (cbjax/engine/block_table.py), so the surplus is written by
+    write_table before the step; their outputs are the uncached engine's."""
+    engine = cached.llm_engine
+    assert cached.reset_prefix_cache()
+    prompt = {"prompt_token_ids": list(range(5, 86))}  # 81 tokens: 10 full blocks of 8, then 1
+    cached.generate(prompt, GREEDY, use_tqdm=False)
+    assert 4 * 10 > engine.runner.table_write_size
+    calls, write_table = [], engine.runner.write_table
+    engine.runner.write_table = lambda packed: (calls.append(packed), write_table(packed))
+    try:
+        outs = cached.generate([prompt] * 4, GREEDY, use_tqdm=False)
+    finally:
+        del engine.runner.write_table
+    assert calls, "the surplus entries went out with write_table"
+    alone = uncached.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert [out.num_cached_tokens for out in outs] == [80] * 4
+    assert all(out.outputs[0].token_ids == alone for out in outs)
+    check_pool_is_clean(engine)

@@ -127,21 +127,21 @@ def test_penalised_greedy_matches_the_reference_chunked_and_preempted(tiny, tiny
     plain = generate(tiny_chunks, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]
     assert tiny_chunks.get_stats()["kv_blocks_free"] == tiny_chunks.get_stats()["kv_blocks_total"]
-    assert tiny_chunks.llm_engine.runner.penalty_slots.num_held == 0
+    assert tiny_chunks.llm_engine.runner.slots.num_held == 0
 
 
-def test_aborted_and_finished_requests_give_back_their_penalty_slots(unchunked, prompts):
+def test_aborted_and_finished_requests_give_back_their_slots(unchunked, prompts):
     engine = unchunked.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, presence_penalty=1.0)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"slot-{i}", {"prompt_token_ids": prompt}, params)
     for _ in range(3):
         engine.step()
-    assert engine.runner.penalty_slots.num_held == len(prompts)
+    assert engine.runner.slots.num_held == len(prompts)
     engine.abort_request("slot-1")
     engine.abort_request("slot-3")
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert [finished[f"slot-{i}"].outputs[0].finish_reason for i in range(4)] == ["length", "abort", "length", "abort"]
-    assert engine.runner.penalty_slots.num_held == 0
+    assert engine.runner.slots.num_held == 0

@@ -125,9 +125,9 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     # split by output columns, o and down by input rows, 2 norms replicated; K and V pools split over
     # KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows (vocabulary), the
     # final norm, the packed inputs and the previous step's sampled tokens (async scheduling) replicated,
-    # the penalty table's two [seqs, vocab] arrays replicated.
+    # the penalty table's two [seqs, vocab] arrays and the block table (block_table.py) replicated.
     want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 2 * 2 + 1 + 1 + 1,
-            '[{"model"}, {}, {}, {}]': 2 * 2, "[{}, {}]": 2}
+            '[{"model"}, {}, {}, {}]': 2 * 2, "[{}, {}]": 2 + 1}
     assert all(shardings == want for shardings in run["shardings"])
 
 

@@ -54,8 +54,8 @@ class AbstractModelRunner(ModelRunner):
         )
         return weights, treedef, kv_caches, penalty_state
 
-    def _last_sampled_buffer(self, num_rows: int) -> jax.ShapeDtypeStruct:
-        return _placed(jax.ShapeDtypeStruct((num_rows,), jnp.int32), None if self.tensor_parallel is None else self.tensor_parallel.replicated)
+    def _replicated_zeros(self, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        return _placed(jax.ShapeDtypeStruct(shape, jnp.int32), None if self.tensor_parallel is None else self.tensor_parallel.replicated)
 
 
 def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: str) -> AbstractModelRunner:

@@ -93,7 +93,7 @@ class StepBroadcast:
     """The leader's and the workers' ends of the per-step buffer [control, bucket index, packed...]."""
 
     def __init__(self, packed_sizes: list[int]):
-        self.packed_sizes = packed_sizes  # per bucket, in the runner's bucket order
+        self.packed_sizes = packed_sizes  # per program: the buckets in the runner's order, then write_table
         self.width = HEADER + max(packed_sizes)  # one shape, so the broadcast compiles once
         self.closed = False  # shut down, or a peer is lost: no more broadcasts
 
@@ -113,7 +113,7 @@ class StepBroadcast:
         multihost_utils.broadcast_one_to_all(buffer)
 
     def receive(self) -> tuple[int, Int[np.ndarray, "size"]] | None:
-        """The next step's (bucket index, packed inputs), or None when the leader shuts down."""
+        """The next program's (index, packed inputs), or None when the leader shuts down."""
         buffer = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(self.width, np.int32)))
         control, bucket_index = int(buffer[0]), int(buffer[1])
         if control == SHUTDOWN:
@@ -159,7 +159,8 @@ def attach(runner: ModelRunner, config: EngineConfig) -> StepBroadcast | None:
     """Give a multi-host engine's runner its broadcast; on the leader it also stops the workers at exit."""
     if config.num_processes == 1:
         return None
-    broadcast = StepBroadcast([runner.packed_size(bucket) for bucket in runner.buckets])
+    # Step buckets in the runner's order, then its write_table program (runner.write_table_index).
+    broadcast = StepBroadcast([runner.packed_size(bucket) for bucket in runner.buckets] + [runner.write_table_packed_size])
     if config.process_id == 0:
         runner.step_broadcast = broadcast
         atexit.register(broadcast.send_shutdown)  # before jax.distributed's own exit hook, which runs later
@@ -172,8 +173,11 @@ def serve_steps(runner: ModelRunner, broadcast: StepBroadcast) -> int:
     with peer_failures(broadcast):
         while (step := broadcast.receive()) is not None:
             bucket_index, packed = step
-            runner.launch(runner.buckets[bucket_index], packed)
-            num_steps += 1
+            if bucket_index == runner.write_table_index:
+                runner.write_table(packed)
+            else:
+                runner.launch(runner.buckets[bucket_index], packed)
+                num_steps += 1
     logger.info("the leader shut down after %d steps", num_steps)
     return num_steps
 

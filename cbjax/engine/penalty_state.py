@@ -1,7 +1,7 @@
 """Penalty history kept on the device: per request slot, which tokens its prompt holds and how often
 each token appears in its output.
 
-The runner gives every running request with penalties a slot; each step records the
+Every running request holds a slot (request_slots.py); each step records, for those with penalties, the
 step's own input tokens into their slots (position < prompt_len: prompt, else output), so
 by the time a request samples, every prompt and output token has passed through. A request
 whose step starts at position 0 (a new request, or one recomputing after preemption) has its
@@ -70,33 +70,3 @@ def slot_rows(
     rows = jnp.clip(row_slots, 0, state.prompt_seen.shape[0] - 1)
     output_counts = state.output_counts[rows]
     return state.prompt_seen[rows] | (output_counts > 0), output_counts.astype(jnp.float32)
-
-
-class PenaltySlots:
-    """Host side: which slot each request with penalties holds (host-only, no device work)."""
-
-    def __init__(self, num_slots: int):
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._slot_of: dict[str, int] = {}
-
-    def slot(self, request_id: str) -> int:
-        """The request's slot, assigned on first use."""
-        slot = self._slot_of.get(request_id)
-        if slot is None:
-            if not self._free:
-                raise RuntimeError(
-                    f"no penalty slot left for request {request_id}: all {len(self._slot_of)} are held; "
-                    "finished, aborted and preempted requests must release theirs (an engine bug: report it)"
-                )
-            slot = self._slot_of[request_id] = self._free.pop()
-        return slot
-
-    @property
-    def num_held(self) -> int:
-        return len(self._slot_of)
-
-    def release(self, request_id: str) -> None:
-        """Free the request's slot, if it holds one (finished, aborted or preempted)."""
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)

@@ -3,8 +3,8 @@
 Most steps of a busy engine are decode steps over the same requests as the step before, each one
 position further on. vLLM keeps such a batch in persistent per-row arrays (its InputBatch) and
 rewrites only what changed; here the previous step's host inputs are moved on by one position
-with whole-column numpy operations on copies, and the block table, the one input that grows with
-max_model_len, is kept: only its rows that gained a block are written again. The runner's
+with whole-column numpy operations on copies, and the rows keep their request slots: only the
+rows that gained a block send its entry for the device's block table (block_table.py). The runner's
 row-by-row `prepare` builds every other step (and this one's first), and the two must agree:
 tests/test_persistent_batch.py checks that they do.
 
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
+from cbjax.engine.block_table import BlockTable, empty_writes
 from cbjax.engine.buckets import Bucket
 from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
@@ -39,7 +40,7 @@ class PreparedStep:
     sampling_requests: tuple[Request, ...]  # those of its rows that sample, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
-    inputs: Any  # its runner.StepInputs (host numpy arrays; only the block table is written after it was packed)
+    inputs: Any  # its runner.StepInputs (host numpy arrays, never written after they were packed)
     # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
     # after it, over the same rows, differs only by one position.
     followable: bool
@@ -65,10 +66,11 @@ def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any) -> Pr
     )
 
 
-def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOutput,
+def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOutput, table: BlockTable,
            block_size: int) -> tuple[Any, PreparedStep] | None:
     """This step's inputs moved on from `previous`'s, if it is a decode step over the same rows one
-    position further on (same bucket); else None (prepare it row by row)."""
+    position further on (same bucket); else None (prepare it row by row). The new blocks' entries
+    are taken from `table`'s queue (the device's block table: block_table.py)."""
     rows = scheduled.scheduled
     if (
         previous is None
@@ -86,21 +88,18 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     if not np.array_equal(starts, previous.starts + 1):
         return None
     old = previous.inputs
-    # The block table (rows x max_model_len / block_size: the one input that grows with
-    # max_model_len) is written in place: the previous step's copy was packed already, and what
-    # reads a launched step's inputs later (its prompt logprobs' targets) never reads it.
-    attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
-                               slot_mapping=old.attention.slot_mapping.copy())
+    row_slots = old.attention.table_slots  # the same requests in the same rows hold the same slots
     block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
-    grown = np.flatnonzero(block_counts != previous.block_counts)
-    for i in grown.tolist():  # a new block every block_size tokens: a few rows a step
-        # A request's blocks only grow while its steps follow each other: write the new ones.
-        old_count, count = int(previous.block_counts[i]), int(block_counts[i])
-        attn.block_tables[i, old_count:count] = requests[i].block_ids[old_count:count]
+    for i in np.flatnonzero(block_counts != previous.block_counts).tolist():  # a new block every block_size tokens: a few rows a step
+        table.sync(int(row_slots[i]), requests[i].block_ids)
+    writes = empty_writes(len(old.attention.table_writes.slots), table.null_slot)
+    table.take_writes(writes)
+    attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
+                               slot_mapping=old.attention.slot_mapping.copy(), table_writes=writes)
     positions = old.positions.copy()
     positions[:num_rows] = starts
     attn.seq_lens[:num_rows] = starts + 1
-    attn.slot_mapping[:num_rows] = slots(attn.block_tables, np.arange(num_rows), starts, block_size)
+    attn.slot_mapping[:num_rows] = slots(table.mirror, row_slots[:num_rows], starts, block_size)
     token_sources = old.token_sources.copy()
     token_sources[:num_rows] = np.arange(num_rows)  # row i's token: what row i sampled in the previous step
     token_ids = old.token_ids.copy()
@@ -112,7 +111,8 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     return inputs, PreparedStep(bucket, requests, requests, starts, block_counts, inputs, True)
 
 
-def slots(block_tables: Int[np.ndarray, "reqs width"], rows: Int[np.ndarray, "tokens"],
+def slots(block_tables: Int[np.ndarray, "slots width"], table_slots: Int[np.ndarray, "tokens"],
           positions: Int[np.ndarray, "tokens"], block_size: int) -> Int[np.ndarray, "tokens"]:
-    """Where each token's KV goes in the pool: its row's block for its position, and the offset in it."""
-    return block_tables[rows, positions // block_size] * block_size + positions % block_size
+    """Where each token's KV goes in the pool: its block for its position (in the table row
+    `table_slots` names), and the offset in it."""
+    return block_tables[table_slots, positions // block_size] * block_size + positions % block_size

@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import zlib
@@ -27,13 +26,15 @@ from flax import nnx
 from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
+from cbjax.engine.block_table import BlockTable, TableWrites, apply_writes, empty_writes, gather_rows, write_capacity
 from cbjax.engine.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
 from cbjax.engine.compile_cache import StepCache, compile_cache_folder, step_compiler_options
 from cbjax.engine.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.engine.multihost import peer_failures
 from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack_host
-from cbjax.engine.penalty_state import NO_SLOT, PenaltySlots, init_penalty_state, record_step_tokens
+from cbjax.engine.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
 from cbjax.engine.persistent_batch import PreparedStep, follow, prepared_step, slots
+from cbjax.engine.request_slots import RequestSlots
 from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
@@ -53,6 +54,19 @@ SUPPRESS_LEN = 16
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """A step's AttentionMetadata as it travels: the block tables stay on the device (block_table.py),
+    each row names its request's slot there instead."""
+
+    slot_mapping: Int[Array, "tokens"]
+    query_start_loc: Int[Array, "reqs_plus_1"]
+    seq_lens: Int[Array, "reqs"]
+    table_slots: Int[Array, "reqs"]  # the row's request slot; padding rows: the table's null row
+    table_writes: TableWrites  # entries new since the step before, written before the step reads the table
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepInputs:
     """Everything a step reads besides the weights and the pool (numpy on host, arrays in the step)."""
 
@@ -61,7 +75,7 @@ class StepInputs:
     token_sources: Int[Array, "tokens"]
     positions: Int[Array, "tokens"]
     logits_indices: Int[Array, "reqs"]  # last new token of each sampling request, compacted
-    attention: AttentionMetadata
+    attention: AttentionInputs
     sampling: SamplingTensors
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
@@ -157,13 +171,17 @@ class ModelRunner:
             init_kv_caches, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
         )
         self.weights, self._state_treedef, self.kv_caches, self.penalty_state = self._device_state(state, init_pool)
-        self.penalty_slots = PenaltySlots(config.max_num_seqs)
+        self.slots = RequestSlots(config.max_num_seqs)  # each running request's row in the table and penalty state
+        self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
+        self.block_table = self._replicated_zeros(self.table.mirror.shape)  # the device's table (block_table.py)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
         self.buckets = compute_buckets(
             config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints)
+        # Table writes beyond a step's own capacity go first, this many per call of the write_table program.
+        self.table_write_size = max(self._write_capacity(bucket) for bucket in self.buckets)
         # The latest step's sampled tokens, kept on the device (padded to the widest bucket), and
         # each request's row in them: the next step reads from there the tokens the host lacks.
-        self.last_sampled = self._last_sampled_buffer(max(b.num_reqs for b in self.buckets))
+        self.last_sampled = self._replicated_zeros((max(b.num_reqs for b in self.buckets),))
         self._last_sampling_rows: dict[str, int] = {}
         # The latest prepared step: a decode step over the same rows, one position on, follows it
         # (persistent_batch.py) instead of being built row by row. Off: every step row by row.
@@ -171,6 +189,7 @@ class ModelRunner:
         self.follow_decode_steps = True
         self.request_seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
         self.compiled: dict[Bucket, Any] = {}
+        self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
         self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
@@ -199,10 +218,13 @@ class ModelRunner:
             penalty_state = jax.device_put(penalty_state, tensor_parallel.replicated)
         return weights, treedef, kv_caches, penalty_state
 
-    def _last_sampled_buffer(self, num_rows: int) -> jax.Array:
-        """The device buffer of the latest step's sampled tokens (replicated under TP)."""
-        buffer = jnp.zeros(num_rows, jnp.int32)
+    def _replicated_zeros(self, shape: tuple[int, ...]) -> jax.Array:
+        """An int32 device buffer of the runner's own state (whole on every device under TP)."""
+        buffer = jnp.zeros(shape, jnp.int32)
         return buffer if self.tensor_parallel is None else jax.device_put(buffer, self.tensor_parallel.replicated)
+
+    def _write_capacity(self, bucket: Bucket) -> int:
+        return write_capacity(bucket.num_tokens, bucket.num_reqs, self.block_size)
 
     # ---- shapes -------------------------------------------------------------
 
@@ -215,11 +237,12 @@ class ModelRunner:
             token_sources=np.full(num_tokens, -1, np.int32),
             positions=zeros(num_tokens),
             logits_indices=zeros(num_reqs),
-            attention=AttentionMetadata(
+            attention=AttentionInputs(
                 slot_mapping=zeros(num_tokens),
                 query_start_loc=zeros(num_reqs + 1),
                 seq_lens=zeros(num_reqs),
-                block_tables=zeros(num_reqs, self.max_blocks_per_seq),
+                table_slots=np.full(num_reqs, self.table.null_slot, np.int32),
+                table_writes=empty_writes(self._write_capacity(bucket), self.table.null_slot),
             ),
             sampling=build_sampling_tensors(sampling_rows, num_reqs, SUPPRESS_LEN),
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
@@ -243,17 +266,23 @@ class ModelRunner:
         state_treedef = self._state_treedef
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(weights, kv_caches, penalty_state, last_sampled, packed):
+        def step(weights, kv_caches, penalty_state, last_sampled, block_table, packed):
             inputs: StepInputs = unpack(packed, layout)
             token_ids = jnp.where(
                 inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
+            )
+            attn = inputs.attention
+            block_table = apply_writes(block_table, attn.table_writes)
+            metadata = AttentionMetadata(
+                attn.slot_mapping, attn.query_start_loc, attn.seq_lens,
+                gather_rows(block_table, attn.table_slots, attn.seq_lens, self.block_size),
             )
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weights))
             hidden, kv_caches = model.hidden_states(
                 token_ids,
                 inputs.positions,
                 kv_caches,
-                inputs.attention,
+                metadata,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
             logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -268,10 +297,27 @@ class ModelRunner:
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
             )
             last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
-            return kv_caches, penalty_state, last_sampled, pack_device(outputs)
+            return kv_caches, penalty_state, last_sampled, block_table, pack_device(outputs)
 
         step.__name__ = step.__qualname__ = name  # the program's name, part of JAX's persistent cache key
-        return jax.jit(step, donate_argnums=(1, 2, 3), **self._shardings)
+        return jax.jit(step, donate_argnums=(1, 2, 3, 4), **self._shardings)
+
+    def _write_table_fn(self):
+        """The program that writes table entries a step had no room for (block_table.py), before that step."""
+        layout = self._write_table_layout
+
+        def write_table(block_table, packed):
+            return apply_writes(block_table, unpack(packed, layout))
+
+        shardings = {}
+        if self.tensor_parallel is not None:
+            replicated = self.tensor_parallel.replicated
+            shardings = {"in_shardings": (replicated, replicated), "out_shardings": replicated}
+        return jax.jit(write_table, donate_argnums=(0,), **shardings)
+
+    @functools.cached_property
+    def _write_table_layout(self) -> PackedLayout:
+        return PackedLayout.of(empty_writes(self.table_write_size, self.table.null_slot))
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
@@ -287,10 +333,33 @@ class ModelRunner:
         """
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
-        self.kv_caches, self.penalty_state, self.last_sampled, result = self._executable(bucket)(
-            self.weights, self.kv_caches, self.penalty_state, self.last_sampled, packed
+        self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
+            self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, packed
         )
         return result
+
+    @property
+    def write_table_packed_size(self) -> int:
+        return self._write_table_layout.size
+
+    @property
+    def write_table_index(self) -> int:
+        """The write_table program's index in a multi-host step broadcast (the buckets come first)."""
+        return len(self.buckets)
+
+    def write_table(self, packed: Int[np.ndarray, "size"]) -> None:
+        """Write table entries (block_table.py; packed TableWrites of table_write_size entries) into the
+        device's table; a multi-host leader first sends them to the workers, as launch does a step."""
+        if self.step_broadcast is not None:
+            self.step_broadcast.send_step(self.write_table_index, packed)
+        self.block_table = self._table_writer()(self.block_table, packed)
+
+    def _table_writer(self) -> Any:
+        """The compiled write_table program (compiled by precompile; tiny, so compiled here otherwise)."""
+        if self._write_table is None:
+            packed = jax.ShapeDtypeStruct((self.write_table_packed_size,), jnp.int32)
+            self._write_table = self._write_table_fn().lower(self.block_table, packed).compile()
+        return self._write_table
 
     def precompile(self, progress: bool = True, buckets: list[Bucket] | None = None) -> None:
         """Compile every bucket now (or only `buckets`, for a caller that knows its steps), so that
@@ -340,6 +409,7 @@ class ModelRunner:
                 release_free_heap()
         for bucket, shape in shapes.items():
             self.compiled[bucket] = executables[shape]
+        self._table_writer()
         self.warm_up()
 
     def _step_shapes(self, buckets: list[Bucket]) -> dict[Bucket, Bucket]:
@@ -353,7 +423,7 @@ class ModelRunner:
         options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
         return StepCache.key((
             self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
-            avals(self.last_sampled), self.matmul_precision, sorted(self.compiler_options.items()), self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
+            avals(self.last_sampled), avals(self.block_table), self.matmul_precision, sorted(self.compiler_options.items()), self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
         ))
 
     def _step_key(self, bucket: Bucket) -> str:
@@ -377,7 +447,8 @@ class ModelRunner:
         name = "step" if self.step_cache is None else f"step_{self._step_key(bucket)}"
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend, name).lower(
-                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self._packed_struct(bucket)
+                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table,
+                self._packed_struct(bucket),
             )
 
     def _kernel_ready(self) -> bool:
@@ -433,12 +504,13 @@ class ModelRunner:
                 continue
             warmed.add(id(compiled))
             inputs = self._host_inputs(bucket)
-            inputs.attention.seq_lens[0] = 1  # block table and slot mapping stay 0: the null block
+            inputs.attention.seq_lens[0] = 1  # the table's null row and slot mapping 0: the null block
             inputs.attention.query_start_loc[1:] = 1
-            self.kv_caches, self.penalty_state, self.last_sampled, result = compiled(
-                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, pack(inputs)
+            self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
+                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
             )
             result.block_until_ready()
+        self.block_table = self._table_writer()(self.block_table, pack(empty_writes(self.table_write_size, self.table.null_slot)))
         self._prepared = None  # last_sampled now holds the warm-up's tokens: no step follows from it
 
     def peak_step_bytes(self) -> int:
@@ -457,7 +529,8 @@ class ModelRunner:
         target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target:
             return self._step_fn(bucket, backend).trace(
-                *abstract((self.weights, self.kv_caches, self.penalty_state, self.last_sampled)), self._packed_struct(bucket)
+                *abstract((self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table)),
+                self._packed_struct(bucket),
             ).lower(lowering_platforms=(platform,))
 
     def lower_all(self, platform: str, backend: str) -> list[tuple[Bucket, Exception | None]]:
@@ -482,11 +555,11 @@ class ModelRunner:
                 f"the scheduler gave {num_prefills} prompt chunks in one step; the compiled steps hold at most "
                 f"max_num_prefills={self.config.max_num_prefills} (a scheduler bug: report it)"
             )
-        for request_id in scheduled.preempted_request_ids:  # they recompute from position 0
-            self.penalty_slots.release(request_id)
+        for request_id in scheduled.preempted_request_ids:  # they recompute from position 0, blocks anew
+            self._release_slot(request_id)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
-        followed = follow(self._prepared, bucket, scheduled, self.block_size) if self.follow_decode_steps else None
+        followed = follow(self._prepared, bucket, scheduled, self.table, self.block_size) if self.follow_decode_steps else None
         if followed is not None:
             inputs, self._prepared = followed
             return bucket, inputs
@@ -500,12 +573,13 @@ class ModelRunner:
         num_tokens = int(ends[-1])
         row_of_token = np.repeat(np.arange(num_rows), counts)
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - (ends - counts), counts)
-        self._fill_block_tables(attn.block_tables, [row.request.block_ids for row in rows])
         token_ids: list[int] = []
         placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
-        row_penalty_slots, row_prompt_lens = [NO_SLOT] * num_rows, [0] * num_rows
+        row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
         for i, row in enumerate(rows):
             request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
+            row_slots[i] = slot = self.slots.slot(request.request_id)
+            self.table.sync(slot, request.block_ids)
             known = request.all_token_ids[start : start + n]
             token_ids += known
             if len(known) < n:  # the token the previous step samples: taken from its output on the device
@@ -514,7 +588,7 @@ class ModelRunner:
                 token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
-                row_penalty_slots[i], row_prompt_lens[i] = self.penalty_slots.slot(request.request_id), num_prompt
+                row_penalty_slots[i], row_prompt_lens[i] = slot, num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
@@ -524,7 +598,9 @@ class ModelRunner:
         inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
         inputs.token_prompt_lens[:num_tokens] = np.repeat(row_prompt_lens, counts)
         inputs.positions[:num_tokens] = positions
-        attn.slot_mapping[:num_tokens] = slots(attn.block_tables, row_of_token, positions, bs)
+        attn.table_slots[:num_rows] = row_slots
+        self.table.take_writes(attn.table_writes)
+        attn.slot_mapping[:num_tokens] = slots(self.table.mirror, attn.table_slots[row_of_token], positions, bs)
         attn.seq_lens[:num_rows] = starts + counts
         attn.query_start_loc[1 : num_rows + 1] = ends
         attn.query_start_loc[num_rows + 1 :] = num_tokens
@@ -533,15 +609,6 @@ class ModelRunner:
         self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
         self._prepared = prepared_step(bucket, scheduled, inputs)
         return bucket, inputs
-
-    @staticmethod
-    def _fill_block_tables(block_tables: Int[np.ndarray, "reqs width"], block_ids: list[list[int]]) -> None:
-        """Row i starts with block_ids[i]: one scatter, not a numpy write per row."""
-        lengths = np.fromiter(map(len, block_ids), np.int64, len(block_ids))
-        flat = np.fromiter(itertools.chain.from_iterable(block_ids), np.int32, int(lengths.sum()))
-        row_starts = np.cumsum(lengths) - lengths
-        columns = np.arange(flat.size) - np.repeat(row_starts, lengths)
-        block_tables[np.repeat(np.arange(len(block_ids)), lengths), columns] = flat
 
     def _sampling_row(self, request: Any) -> SamplingRow:
         params = request.sampling_params
@@ -553,13 +620,18 @@ class ModelRunner:
         seed = self.request_seeds.get(request.request_id)
         if seed is None:
             seed = self.request_seeds[request.request_id] = request_seed(self.config.seed, request.request_id, params.seed)
-        penalty_slot = self.penalty_slots.slot(request.request_id) if params.has_penalties else NO_SLOT
+        penalty_slot = self.slots.slot(request.request_id) if params.has_penalties else NO_SLOT
         return SamplingRow(params, seed, output_index, suppress, penalty_slot)
 
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""
-        self.penalty_slots.release(request_id)
+        self._release_slot(request_id)
         self.request_seeds.pop(request_id, None)
+
+    def _release_slot(self, request_id: str) -> None:
+        slot = self.slots.release(request_id)
+        if slot is not None:
+            self.table.forget(slot)
 
     def execute(self, scheduled: SchedulerOutput) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Run one step and wait for it (see `collect`)."""
@@ -569,6 +641,10 @@ class ModelRunner:
         """Start one step without waiting for it."""
         bucket, inputs = self.prepare(scheduled)
         with peer_failures(self.step_broadcast):  # multi-host: a dead peer fails the step's collectives
+            while self.table.num_queued:  # entries the step had no room for (block_table.py): written first
+                writes = empty_writes(self.table_write_size, self.table.null_slot)
+                self.table.take_writes(writes)
+                self.write_table(pack(writes))
             result = self.launch(bucket, pack(inputs))
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
         return LaunchedStep(scheduled, bucket, inputs, self._prepared.sampling_requests, result)
