@@ -49,6 +49,7 @@ class OutputProcessor:
         # token's text, logprobs come with the step, streams get an output): the others only when
         # they finish, so a step of LLM.generate's requests costs nothing here per request.
         self.watched: set[Request] = set()
+        self.streamed: set[Request] = set()  # of which those whose output kind is not FINAL_ONLY
         # Set by a reader of every request's progress (the server's metrics): FINAL_ONLY requests
         # then get an output every step as well, which their callers' streams do not show.
         self.report_every_step = False
@@ -56,7 +57,7 @@ class OutputProcessor:
     def wants_output(self, request: Request) -> bool:
         """Whether an unfinished request's progress this step needs a RequestOutput (of its parent:
         the children of one parent share their output kind)."""
-        return self.report_every_step or request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
+        return self.report_every_step or request in self.streamed
 
     def add_request(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
@@ -69,7 +70,9 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
-        if params.stop or params.logprobs is not None or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+        if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self.streamed.add(request)
+        if params.stop or params.logprobs is not None or request in self.streamed:
             self.watched.add(request)
 
     def add_prompt_logprobs(self, request_id: str, chunk: PromptLogprobsChunk) -> None:
@@ -109,17 +112,17 @@ class OutputProcessor:
             end -= 1  # the last token is the eos or stop token id that ended it
         # `state.text += delta` would copy the whole text every token (in place only for a string
         # nothing else refers to): take it out of state, append, put it back.
-        add_token, text, state.text = state.detokenizer.add_token, state.text, ""
+        add_token, stops, text, state.text = state.detokenizer.add_token, params.stop, state.text, ""
         for index in range(start, end):
             delta = add_token(tokens[index])
             if not delta:
                 continue
             text += delta
-            if params.stop and index >= params.min_tokens:
+            if stops and index >= params.min_tokens:
                 # Only a window around the new text can hold a stop string that was not there before.
-                window_start = max(0, len(text) - len(delta) - state.longest_stop + 1)
-                for stop in params.stop:
-                    found = text.find(stop, window_start)
+                window_start = len(text) - len(delta) - state.longest_stop + 1
+                for stop in stops:
+                    found = text.find(stop, window_start if window_start > 0 else 0)
                     if found != -1:
                         state.text = text[: found + len(stop) if params.include_stop_str_in_output else found]
                         return stop
@@ -160,6 +163,7 @@ class OutputProcessor:
             for child in parent.children:
                 del self.texts[child.request_id]
                 self.watched.discard(child)
+                self.streamed.discard(child)
         return output
 
     def _completion(self, request: Request, index: int, delta: bool) -> CompletionOutput:
