@@ -102,7 +102,7 @@ def assert_all_released(engine: LLMEngine) -> None:
     assert manager.num_free_blocks == manager.num_usable_blocks
     manager.check_invariants([])
     assert engine.runner.slots.num_held == 0
-    assert not engine.runner.request_seeds  # each finished or aborted request's seed is dropped
+    assert not engine.runner.sampling_constants  # each finished or aborted request's sampling columns (its seed) are dropped
     assert engine.in_flight is None and not engine.scheduler.has_unfinished_requests()
 
 

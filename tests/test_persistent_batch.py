@@ -34,7 +34,7 @@ class CheckedPrepare:
 
     def __init__(self, runner, monkeypatch):
         self.runner, self.prepare = runner, runner.prepare
-        self.num_followed = self.num_steps = 0
+        self.num_followed = self.num_steps = self.num_followed_after_leaving = 0
         self.hit = False
         follow = runner_module.follow
 
@@ -49,10 +49,10 @@ class CheckedPrepare:
         runner = self.runner
         # What prepare changes besides its result: the step it follows, and the slots and block-table
         # writes it hands out (the reference's writes must not count as sent).
-        saved = runner._prepared, runner._last_sampling_rows, copy.deepcopy(runner.slots), copy.deepcopy(runner.table)
+        saved = runner._prepared, copy.deepcopy(runner.slots), copy.deepcopy(runner.table)
         runner.follow_decode_steps = False
         reference_bucket, reference = self.prepare(scheduled)
-        runner._prepared, runner._last_sampling_rows, runner.slots, runner.table = saved
+        runner._prepared, runner.slots, runner.table = saved
         runner.follow_decode_steps = True
         self.hit = False
         bucket, inputs = self.prepare(scheduled)
@@ -60,10 +60,10 @@ class CheckedPrepare:
         if self.hit:
             self.num_followed += 1
             assert bucket == reference_bucket
-            self.check(scheduled, reference, inputs)
+            self.check(scheduled, reference, inputs, saved[0])
         return bucket, inputs
 
-    def check(self, scheduled, reference, followed):
+    def check(self, scheduled, reference, followed, previous):
         num_rows = len(scheduled.scheduled)
         leaves = jax.tree_util.tree_leaves_with_path(reference)
         ours = dict(jax.tree_util.tree_leaves_with_path(followed))
@@ -72,16 +72,20 @@ class CheckedPrepare:
             if name in (".token_ids", ".token_sources"):
                 continue
             np.testing.assert_array_equal(ours[path], expected, err_msg=name)
-        # Every row's token is taken on the device from the row of the same index in the previous
+        # Every row's token is taken on the device from its request's sampling row in the previous
         # step's output; the reference takes it from there too, or writes the token the host knows.
-        np.testing.assert_array_equal(followed.token_sources[:num_rows], np.arange(num_rows))
+        previous_rows = {request: k for k, request in enumerate(previous.sampling_requests)}
+        sources = np.array([previous_rows[row.request] for row in scheduled.scheduled])
+        np.testing.assert_array_equal(followed.token_sources[:num_rows], sources)
         np.testing.assert_array_equal(followed.token_sources[num_rows:], reference.token_sources[num_rows:])
         np.testing.assert_array_equal(followed.token_ids, np.zeros_like(followed.token_ids))
         from_device = reference.token_sources[:num_rows] >= 0
-        np.testing.assert_array_equal(reference.token_sources[:num_rows][from_device], np.flatnonzero(from_device))
+        np.testing.assert_array_equal(reference.token_sources[:num_rows][from_device], sources[from_device])
         if not from_device.all():  # the host knew those tokens: the previous step sampled them (it has finished)
-            last_sampled = np.asarray(self.runner.last_sampled)[:num_rows]
+            last_sampled = np.asarray(self.runner.last_sampled)[sources]
             np.testing.assert_array_equal(last_sampled[~from_device], reference.token_ids[:num_rows][~from_device])
+        if len(previous.requests) != num_rows:
+            self.num_followed_after_leaving += 1
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -104,12 +108,13 @@ def run_checked(engine, workload, monkeypatch):
 
 
 def test_long_decodes_follow_across_block_boundaries_and_outputs_match(engine, monkeypatch):
-    """Four requests decoding together for many steps (each crosses several blocks of 4): most steps
-    follow the one before, their inputs check out, and turning following off changes no output."""
+    """Four requests decoding together for many steps (each crosses several blocks of 4) and ending
+    one after another: most steps follow the one before, also once some rows have left, their inputs
+    check out, and turning following off changes no output."""
     from cbjax import SamplingParams
 
     workload = [
-        ([3 + i, 40 + i, 7], SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20, ignore_eos=True,
+        ([3 + i, 40 + i, 7], SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20 - 3 * i, ignore_eos=True,
                                             presence_penalty=0.5 * (i == 1), logprobs=1 if i == 2 else None), None)
         for i in range(4)
     ]
@@ -120,6 +125,7 @@ def test_long_decodes_follow_across_block_boundaries_and_outputs_match(engine, m
     finally:
         del engine.runner.prepare
     assert checked.num_followed >= checked.num_steps // 2, (checked.num_followed, checked.num_steps)
+    assert checked.num_followed_after_leaving >= 4, checked.num_followed_after_leaving
     engine.runner.follow_decode_steps = False
     try:
         row_by_row = serve(engine, workload, async_scheduling=False)

@@ -1,28 +1,30 @@
-"""A decode step that follows the previous one row for row: its inputs moved on, not rebuilt.
+"""A decode step that follows the previous one: its inputs gathered from that step's, not rebuilt.
 
-Most steps of a busy engine are decode steps over the same requests as the step before, each one
-position further on. vLLM keeps such a batch in persistent per-row arrays (its InputBatch) and
-rewrites only what changed; here the previous step's host inputs are moved on by one position
-with whole-column numpy operations on copies, and the rows keep their request slots: only the
-rows that gained a block send its entry for the device's block table (block_table.py). The runner's
+Most steps of a busy engine are decode steps over the requests of the step before, each one
+position further on, less those that finished (continuous batching). vLLM keeps such a batch in
+persistent per-row arrays (its InputBatch) and rewrites only what changed; here each row's
+columns are gathered from its request's row in the previous step's host inputs with whole-column
+numpy operations, moved on by one position, and the rows keep their request slots: only the rows
+that gained a block send its entry for the device's block table (block_table.py). The runner's
 row-by-row `prepare` builds every other step (and this one's first), and the two must agree:
 tests/test_persistent_batch.py checks that they do.
 
-Each row's input token is taken on the device from the previous step's sampled tokens (row i
-sampled it there), whether or not the host has read it yet: the same token the row-by-row path
-would write, so the step computes the same thing.
+Each row's input token is taken on the device from what its request's row sampled in the previous
+step, whether or not the host has read it yet: the same token the row-by-row path would write, so
+the step computes the same thing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from jaxtyping import Int
 
-from cbjax.engine.block_table import BlockTable, empty_writes
+from cbjax.engine.block_table import BlockTable
 from cbjax.engine.buckets import Bucket
 from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
@@ -46,69 +48,65 @@ class PreparedStep:
     followable: bool
 
 
-def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any) -> PreparedStep:
-    """Record a step the runner prepared row by row."""
+def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any, starts: Int[np.ndarray, "rows"],
+                  block_counts: Int[np.ndarray, "rows"], sampling_requests: list[Request]) -> PreparedStep:
+    """Record a step the runner prepared row by row (its rows' starts and block counts, and the
+    requests of its sampling rows)."""
     rows = scheduled.scheduled
     followable = (
         scheduled.is_decode_only
-        and all(row.samples for row in rows)
+        and len(sampling_requests) == len(rows)
         and not (inputs.sampling.suppress_token_ids[: len(rows)] >= 0).any()
     )
     requests = tuple(row.request for row in rows)
-    return PreparedStep(
-        bucket,
-        requests,
-        requests if followable else tuple(row.request for row in rows if row.samples),
-        np.fromiter((row.start for row in rows), np.int32, len(rows)),
-        np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, len(rows)),
-        inputs,
-        followable,
-    )
+    return PreparedStep(bucket, requests, requests if followable else tuple(sampling_requests), starts, block_counts,
+                        inputs, followable)
 
 
 def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOutput, table: BlockTable,
-           block_size: int) -> tuple[Any, PreparedStep] | None:
-    """This step's inputs moved on from `previous`'s, if it is a decode step over the same rows one
-    position further on (same bucket); else None (prepare it row by row). The new blocks' entries
-    are taken from `table`'s queue (the device's block table: block_table.py)."""
+           block_size: int, fresh_inputs: Callable[[Bucket], Any]) -> tuple[Any, PreparedStep] | None:
+    """This step's inputs gathered from `previous`'s, if it is a decode step over some of the same
+    rows in the same order (those that finished since have left), each one position further on;
+    else None (prepare it row by row). `fresh_inputs(bucket)` gives a bucket's zeroed buffers; the
+    new blocks' entries are taken from `table`'s queue (the device's block table: block_table.py)."""
     rows = scheduled.scheduled
-    if (
-        previous is None
-        or not previous.followable
-        or bucket != previous.bucket
-        or scheduled.preempted_request_ids
-        or not scheduled.is_decode_only
-    ):
+    if previous is None or not previous.followable or scheduled.preempted_request_ids or not scheduled.is_decode_only:
         return None
     requests, _, row_starts, _ = zip(*rows)  # the rows' columns (ScheduledRequest's fields), transposed in C
-    if requests != previous.requests:  # identity: a Request compares by id
-        return None
     num_rows = len(rows)
+    if requests == previous.requests:  # identity: a Request compares by id
+        source = np.arange(num_rows)
+    else:  # some left: the others keep their order (running requests are scheduled in admission order)
+        row_of = {request: i for i, request in enumerate(previous.requests)}
+        source = np.fromiter((row_of.get(request, -1) for request in requests), np.int64, num_rows)
+        if (source < 0).any() or (np.diff(source) <= 0).any():
+            return None
     starts = np.fromiter(row_starts, np.int32, num_rows)
-    if not np.array_equal(starts, previous.starts + 1):
+    if not np.array_equal(starts, previous.starts[source] + 1):
         return None
-    old = previous.inputs
-    row_slots = old.attention.table_slots  # the same requests in the same rows hold the same slots
+    old, new = previous.inputs, fresh_inputs(bucket)
+    # What stays the same for a request from step to step: copied from its row in the previous step.
+    # (Every row of a followable step samples one token: its row, token and sampling row are one index.)
+    for name in ("token_penalty_slots", "token_prompt_lens"):
+        getattr(new, name)[:num_rows] = getattr(old, name)[source]
+    for field in dataclasses.fields(old.sampling):
+        getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]
+    new.sampling.counters[:num_rows] += 1
+    attn = new.attention
+    attn.table_slots[:num_rows] = row_slots = old.attention.table_slots[source]  # the same requests hold the same slots
     block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
-    for i in np.flatnonzero(block_counts != previous.block_counts).tolist():  # a new block every block_size tokens: a few rows a step
+    for i in np.flatnonzero(block_counts != previous.block_counts[source]).tolist():  # a new block every block_size tokens: a few rows a step
         table.sync(int(row_slots[i]), requests[i].block_ids)
-    writes = empty_writes(len(old.attention.table_writes.slots), table.null_slot)
-    table.take_writes(writes)
-    attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
-                               slot_mapping=old.attention.slot_mapping.copy(), table_writes=writes)
-    positions = old.positions.copy()
-    positions[:num_rows] = starts
+    table.take_writes(attn.table_writes)
+    # One position further on, each row's token taken on the device from what its request's row sampled.
+    new.token_sources[:num_rows] = source
+    new.positions[:num_rows] = starts
+    new.logits_indices[:num_rows] = np.arange(num_rows)
     attn.seq_lens[:num_rows] = starts + 1
-    attn.slot_mapping[:num_rows] = slots(table.mirror, row_slots[:num_rows], starts, block_size)
-    token_sources = old.token_sources.copy()
-    token_sources[:num_rows] = np.arange(num_rows)  # row i's token: what row i sampled in the previous step
-    token_ids = old.token_ids.copy()
-    token_ids[:num_rows] = 0
-    sampling = dataclasses.replace(old.sampling, counters=old.sampling.counters.copy())
-    sampling.counters[:num_rows] += 1
-    inputs = dataclasses.replace(old, token_ids=token_ids, token_sources=token_sources, positions=positions,
-                                 attention=attn, sampling=sampling)
-    return inputs, PreparedStep(bucket, requests, requests, starts, block_counts, inputs, True)
+    attn.query_start_loc[: num_rows + 1] = np.arange(num_rows + 1)
+    attn.query_start_loc[num_rows + 1 :] = num_rows
+    attn.slot_mapping[:num_rows] = slots(table.mirror, row_slots, starts, block_size)
+    return new, PreparedStep(bucket, requests, requests, starts, block_counts, new, True)
 
 
 def slots(block_tables: Int[np.ndarray, "slots width"], table_slots: Int[np.ndarray, "tokens"],

@@ -35,7 +35,7 @@ from cbjax.engine.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.engine.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
 from cbjax.engine.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.engine.request_slots import RequestSlots
-from cbjax.engine.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
+from cbjax.engine.sampler import SamplerOutput, SamplingTensors, assemble_sampling_tensors, row_constants, sample
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
@@ -182,12 +182,13 @@ class ModelRunner:
         # The latest step's sampled tokens, kept on the device (padded to the widest bucket), and
         # each request's row in them: the next step reads from there the tokens the host lacks.
         self.last_sampled = self._replicated_zeros((max(b.num_reqs for b in self.buckets),))
-        self._last_sampling_rows: dict[str, int] = {}
         # The latest prepared step: a decode step over the same rows, one position on, follows it
         # (persistent_batch.py) instead of being built row by row. Off: every step row by row.
         self._prepared: PreparedStep | None = None
         self.follow_decode_steps = True
-        self.request_seeds: dict[str, int] = {}  # each running request's seed, derived once (request_seed)
+        # Each running request's sampling columns that do not change (sampler.row_constants; its seed
+        # derived once, by request_seed): made when it first gets its slot, dropped with the slot.
+        self.sampling_constants: dict[str, tuple] = {}
         self.compiled: dict[Bucket, Any] = {}
         self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -228,7 +229,7 @@ class ModelRunner:
 
     # ---- shapes -------------------------------------------------------------
 
-    def _host_inputs(self, bucket: Bucket, sampling_rows: list[SamplingRow] = ()) -> StepInputs:
+    def _host_inputs(self, bucket: Bucket, sampling: SamplingTensors | None = None) -> StepInputs:
         """Host buffers of one bucket, zeroed: padded rows attend to nothing and write to the null block."""
         num_tokens, num_reqs = bucket.num_tokens, bucket.num_reqs
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
@@ -244,7 +245,7 @@ class ModelRunner:
                 table_slots=np.full(num_reqs, self.table.null_slot, np.int32),
                 table_writes=empty_writes(self._write_capacity(bucket), self.table.null_slot),
             ),
-            sampling=build_sampling_tensors(sampling_rows, num_reqs, SUPPRESS_LEN),
+            sampling=assemble_sampling_tensors([], [], {}, num_reqs, SUPPRESS_LEN) if sampling is None else sampling,
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
@@ -559,14 +560,15 @@ class ModelRunner:
             self._release_slot(request_id)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
-        followed = follow(self._prepared, bucket, scheduled, self.table, self.block_size) if self.follow_decode_steps else None
+        previous = self._prepared
+        followed = (follow(previous, bucket, scheduled, self.table, self.block_size, self._host_inputs)
+                    if self.follow_decode_steps else None)
         if followed is not None:
             inputs, self._prepared = followed
             return bucket, inputs
-        sampling_rows = [self._sampling_row(row.request) for row in rows if row.samples]
-        inputs = self._host_inputs(bucket, sampling_rows)
-        # Per row only what differs in length (tokens, block ids); the rest as whole columns.
-        attn, bs, num_rows = inputs.attention, self.block_size, len(rows)
+        # Per row only what differs in length (tokens, block ids) and what each sampling row needs;
+        # the rest as whole columns.
+        bs, num_rows = self.block_size, len(rows)
         starts = np.fromiter((row.start for row in rows), np.int32, num_rows)
         counts = np.fromiter((row.num_new_tokens for row in rows), np.int32, num_rows)
         ends = np.cumsum(counts, dtype=np.int32)  # where each row's tokens end among the token rows
@@ -576,23 +578,45 @@ class ModelRunner:
         token_ids: list[int] = []
         placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
         row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
+        block_counts, logprob_targets = [0] * num_rows, []
+        sampling_rows, constants, counters, suppressed = [], [], [], {}  # per sampling row
+        # Each request's sampling row in the previous step, whose token a row may take on the device.
+        last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
             request, start, n, offset = row.request, row.start, row.num_new_tokens, len(token_ids)
-            row_slots[i] = slot = self.slots.slot(request.request_id)
+            request_id = request.request_id
+            row_slots[i] = slot = self.slots.slot(request_id)
             self.table.sync(slot, request.block_ids)
+            block_counts[i] = len(request.block_ids)
             known = request.all_token_ids[start : start + n]
             token_ids += known
             if len(known) < n:  # the token the previous step samples: taken from its output on the device
                 placeholders.append(len(token_ids))
-                sources.append(self._last_sampling_rows[request.request_id])
+                sources.append(last_sampling_rows[request_id])
                 token_ids.append(0)
             params, num_prompt = request.sampling_params, request.num_prompt_tokens
             if params.has_penalties:
                 row_penalty_slots[i], row_prompt_lens[i] = slot, num_prompt
             if params.prompt_logprobs is not None and start + 1 < num_prompt:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
-                targets = request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]
-                inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
+                logprob_targets.append((offset, request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]))
+            if row.samples:
+                row_constants_ = self.sampling_constants.get(request_id)
+                if row_constants_ is None:
+                    seed = request_seed(self.config.seed, request_id, params.seed)
+                    row_constants_ = self.sampling_constants[request_id] = row_constants(
+                        params, seed, slot if params.has_penalties else NO_SLOT)
+                # The index of the token sampled now: the scheduler already counts it as a placeholder.
+                output_index = request.num_output_tokens + request.num_output_placeholders - 1
+                if output_index < params.min_tokens:
+                    suppressed[len(constants)] = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
+                sampling_rows.append(request)
+                constants.append(row_constants_)
+                counters.append(output_index)
+        inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, suppressed, bucket.num_reqs, SUPPRESS_LEN))
+        attn = inputs.attention
+        for offset, targets in logprob_targets:
+            inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
         inputs.token_ids[:num_tokens] = token_ids
         inputs.token_sources[placeholders] = sources
         inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
@@ -606,32 +630,18 @@ class ModelRunner:
         attn.query_start_loc[num_rows + 1 :] = num_tokens
         samples = np.fromiter((row.samples for row in rows), bool, num_rows)
         inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
-        self._last_sampling_rows = {row.request.request_id: i for i, row in enumerate(r for r in rows if r.samples)}
-        self._prepared = prepared_step(bucket, scheduled, inputs)
+        self._prepared = prepared_step(bucket, scheduled, inputs, starts, np.array(block_counts, np.int32), sampling_rows)
         return bucket, inputs
-
-    def _sampling_row(self, request: Any) -> SamplingRow:
-        params = request.sampling_params
-        # The index of the token sampled now: the scheduler already counts it as a placeholder.
-        output_index = request.num_output_tokens + request.num_output_placeholders - 1
-        suppress: list[int] = []
-        if output_index < params.min_tokens:
-            suppress = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
-        seed = self.request_seeds.get(request.request_id)
-        if seed is None:
-            seed = self.request_seeds[request.request_id] = request_seed(self.config.seed, request.request_id, params.seed)
-        penalty_slot = self.slots.slot(request.request_id) if params.has_penalties else NO_SLOT
-        return SamplingRow(params, seed, output_index, suppress, penalty_slot)
 
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""
         self._release_slot(request_id)
-        self.request_seeds.pop(request_id, None)
 
     def _release_slot(self, request_id: str) -> None:
         slot = self.slots.release(request_id)
         if slot is not None:
             self.table.forget(slot)
+        self.sampling_constants.pop(request_id, None)  # they name the penalty slot
 
     def execute(self, scheduled: SchedulerOutput) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Run one step and wait for it (see `collect`)."""

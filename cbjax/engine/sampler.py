@@ -80,37 +80,54 @@ def _column(values: list, num_rows: int, dtype: type, pad: float) -> np.ndarray:
     return column
 
 
+# The SamplingTensors columns of a request that are the same at every step, in row_constants' order,
+# with their dtype and the value of padding rows.
+_CONSTANT_COLUMNS = (
+    ("temperature", np.float32, PADDING_TEMPERATURE), ("top_p", np.float32, 1.0), ("top_k", np.int32, 0),
+    ("min_p", np.float32, 0.0), ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
+    ("repetition_penalty", np.float32, 1.0), ("seeds", np.uint32, 0), ("penalty_slots", np.int32, NO_SLOT),
+    ("wants_logprobs", np.int32, 0),
+)
+
+
+def row_constants(params: SamplingParams, seed: int, penalty_slot: int = NO_SLOT) -> tuple[float | int, ...]:
+    """A request's sampling columns that are the same at every step (the runner makes them once per request)."""
+    return (0.0 if params.greedy else params.temperature, params.top_p, params.top_k, params.min_p,
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty, seed % 2**32,
+            penalty_slot, int(params.logprobs is not None))
+
+
+def assemble_sampling_tensors(
+    constants: Sequence[tuple[float | int, ...]], counters: Sequence[int], suppressed: dict[int, Sequence[int]],
+    num_rows_padded: int, suppress_len: int,
+) -> SamplingTensors:
+    """Numpy SamplingTensors of S=num_rows_padded rows from each row's row_constants, its counter and,
+    for the rows in `suppressed`, the token ids it may not sample; suppress_len is the bucket's width K."""
+    num_rows = len(constants)
+    if num_rows > num_rows_padded:
+        raise ValueError(f"{num_rows} rows to sample but num_rows_padded is {num_rows_padded}; "
+                         f"use a bucket of at least {num_rows} rows")
+    # One conversion for every constant column (float64 holds each value exactly: float32s, small ints, seeds < 2**32).
+    table = np.array(constants, np.float64).reshape(num_rows, len(_CONSTANT_COLUMNS))
+    columns = {name: _column(table[:, k], num_rows_padded, dtype, pad) for k, (name, dtype, pad) in enumerate(_CONSTANT_COLUMNS)}
+    suppress = np.full((num_rows_padded, suppress_len), -1, np.int32)
+    for i, token_ids in suppressed.items():
+        if len(token_ids) > suppress_len:
+            raise ValueError(f"row {i} suppresses {len(token_ids)} token ids but "
+                             f"suppress_len is {suppress_len}; raise suppress_len")
+        suppress[i, : len(token_ids)] = token_ids
+    return SamplingTensors(**columns, counters=_column(counters, num_rows_padded, np.int32, 0), suppress_token_ids=suppress)
+
+
 def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows_padded: int, suppress_len: int) -> SamplingTensors:
     """Packs rows into numpy SamplingTensors of S=num_rows_padded rows (one host->device copy);
     suppress_len is the bucket's fixed width K."""
-    if len(rows) > num_rows_padded:
-        raise ValueError(f"{len(rows)} rows to sample but num_rows_padded is {num_rows_padded}; "
-                         f"use a bucket of at least {len(rows)} rows")
-    params = [row.params for row in rows]
-    suppress = np.full((num_rows_padded, suppress_len), -1, np.int32)
     for i, row in enumerate(rows):
         if row.penalty_slot == NO_SLOT and row.params.has_penalties:
             raise ValueError(f"row {i} has penalties but no penalty_slot; give it its request's slot")
-        if not row.suppress_token_ids:  # most rows: a numpy row write costs more than the check
-            continue
-        if len(row.suppress_token_ids) > suppress_len:
-            raise ValueError(f"row {i} suppresses {len(row.suppress_token_ids)} token ids but "
-                             f"suppress_len is {suppress_len}; raise suppress_len")
-        suppress[i, : len(row.suppress_token_ids)] = row.suppress_token_ids
-    return SamplingTensors(
-        temperature=_column([0.0 if p.greedy else p.temperature for p in params],
-                            num_rows_padded, np.float32, PADDING_TEMPERATURE),
-        top_p=_column([p.top_p for p in params], num_rows_padded, np.float32, 1.0),
-        top_k=_column([p.top_k for p in params], num_rows_padded, np.int32, 0),
-        min_p=_column([p.min_p for p in params], num_rows_padded, np.float32, 0.0),
-        presence_penalty=_column([p.presence_penalty for p in params], num_rows_padded, np.float32, 0.0),
-        frequency_penalty=_column([p.frequency_penalty for p in params], num_rows_padded, np.float32, 0.0),
-        repetition_penalty=_column([p.repetition_penalty for p in params], num_rows_padded, np.float32, 1.0),
-        seeds=_column([row.seed % 2**32 for row in rows], num_rows_padded, np.uint32, 0),
-        counters=_column([row.counter for row in rows], num_rows_padded, np.int32, 0),
-        penalty_slots=_column([row.penalty_slot for row in rows], num_rows_padded, np.int32, NO_SLOT),
-        suppress_token_ids=suppress,
-        wants_logprobs=_column([int(p.logprobs is not None) for p in params], num_rows_padded, np.int32, 0),
+    return assemble_sampling_tensors(
+        [row_constants(row.params, row.seed, row.penalty_slot) for row in rows], [row.counter for row in rows],
+        {i: row.suppress_token_ids for i, row in enumerate(rows) if row.suppress_token_ids}, num_rows_padded, suppress_len,
     )
 
 
