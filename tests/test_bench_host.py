@@ -111,3 +111,17 @@ def test_async_scheduling_launches_the_next_step_before_the_device_finishes(chec
         gaps[overlap] = [later.start - earlier.end for earlier, later in zip(steps, steps[1:])]
     assert len(gaps[True]) == len(gaps[False]) == 4 and all(gap == 0 for gap in gaps[True])
     assert all(gap > 0 for gap in gaps[False])
+
+
+def test_bench_host_staggered_requests_leave_one_by_one_and_every_decode_step_counts(checkpoint, tmp_path):
+    path = tmp_path / "host.json"
+    main([
+        "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "--delays-ms", "0",
+        "--variants", "greedy", "--output-kinds", "final_only", "--prompt-len", "8", "--output-len", "6",
+        "--finish", "staggered", "--result-json", str(path),
+    ])
+    (run,) = json.loads(path.read_text())["runs"]
+    # Output lengths 3, 4, 6 and 7 (spread over [6 / 2, 3 * 6 / 2)): 20 tokens. The prefill step samples
+    # each first token, then 6 decode steps (the longest's 6 others), each one measured but the last.
+    assert run["finish"] == "staggered" and run["num_output_tokens"] == 3 + 4 + 6 + 7
+    assert run["num_steps"] == 7 and run["num_measured_steps"] == 5

@@ -22,6 +22,9 @@ finishes); delta, as a server's stream (each step's new tokens and text); cumula
 so far every step (SamplingParams' default).
 Variants: greedy alone; + penalties (presence, frequency, repetition: the token history is packed);
 + stop strings (checked on the text every step, never found, so every request runs to the end).
+--finish staggered spreads the output lengths evenly over [output_len / 2, 3 * output_len / 2): the
+requests leave one after another, as in continuous batching, and every decode step is measured
+(from all --num-running of them down to a few), not only those of the whole batch.
 """
 
 from __future__ import annotations
@@ -48,23 +51,33 @@ PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_pena
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
 OUTPUT_KINDS = ["final_only", "delta", "cumulative"]
-SETTING = ["max_model_len", "variant", "output_kind", "num_running", "delay_ms", "async_scheduling"]
+SETTING = ["max_model_len", "variant", "output_kind", "num_running", "finish", "delay_ms", "async_scheduling"]
 TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
 KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
+def output_lens(output_len: int, num_running: int, finish: str) -> list[int]:
+    """Each request's output length: all `output_len` ("together"), or spread evenly over
+    [output_len / 2, 3 * output_len / 2) ("staggered", the same mean)."""
+    if finish == "together":
+        return [output_len] * num_running
+    return [output_len // 2 + (i * output_len) // num_running for i in range(num_running)]
+
+
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
-             variant: str, delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only") -> dict[str, Any]:
-    """One run: `num_running` requests from start to finish; medians over the steps all of them decode."""
+             variant: str, delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only",
+             finish: str = "together") -> dict[str, Any]:
+    """One run: `num_running` requests from start to finish; medians over the steps all of them
+    decode (finish="staggered": over every decode step)."""
     from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
     passage = engine.tokenizer.encode(PASSAGE)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind[output_kind.upper()], **VARIANTS[variant])
     timeline.delay_s = delay_s
     timeline.steps.clear()
     engine.config.async_scheduling = async_scheduling == "on"
-    for i in range(num_running):
+    for i, max_tokens in enumerate(output_lens(output_len, num_running, finish)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind[output_kind.upper()], **VARIANTS[variant])
         engine.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params)
     finished = []
     start = time.perf_counter()
@@ -72,11 +85,13 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
         finished += [output for output in engine.step() if output.finished]
     elapsed = time.perf_counter() - start
     steps = timeline.steps
-    full = [i for i in range(len(steps) - 1) if steps[i].kind == "decode" and steps[i].num_sampling_rows == num_running]
+    full = [i for i in range(len(steps) - 1) if steps[i].kind == "decode"
+            and (finish == "staggered" or steps[i].num_sampling_rows == num_running)]
     if not full:
         raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
     return {
         "max_model_len": engine.config.max_model_len, "variant": variant, "output_kind": output_kind, "num_running": num_running,
+        "finish": finish,
         "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling, "prompt_len": prompt_len, "output_len": output_len,
         "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
@@ -114,7 +129,8 @@ def build_standin_engine(args: argparse.Namespace, max_model_len: int):
     from cbjax.engine.engine import LLMEngine
 
     max_running = max(args.num_running)
-    blocks_per_request = -(-(args.prompt_len + args.output_len) // args.block_size)
+    longest = args.prompt_len + max(output_lens(args.output_len, max_running, args.finish))
+    blocks_per_request = -(-longest // args.block_size)
     num_kv_blocks = max(max_running * blocks_per_request, -(-max_model_len // args.block_size)) + 1
     options = engine_options(args) | {
         "max_model_len": max_model_len, "max_num_seqs": max(args.max_num_seqs, max_running), "num_kv_blocks": num_kv_blocks,
@@ -137,7 +153,7 @@ def cmd_host(args: argparse.Namespace) -> None:
                             pair = len(runs) // len(args.async_scheduling)  # A B, then B A: side by side, fairly
                             for overlap in args.async_scheduling if pair % 2 == 0 else reversed(args.async_scheduling):
                                 runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
-                                                     variant, delay_ms / 1e3, overlap, output_kind))
+                                                     variant, delay_ms / 1e3, overlap, output_kind, args.finish))
                                 print_table(runs[-1:], KEYS)
     medians = medians_by_setting(runs)
     print(f"\nmedians over {args.repeats} repeat(s):")
@@ -155,6 +171,9 @@ def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--output-kinds", nargs="+", default=OUTPUT_KINDS[:2], choices=OUTPUT_KINDS,
                    help="what each step's outputs hold: final_only (LLM.generate), delta (a server's stream), cumulative")
+    p.add_argument("--finish", choices=["together", "staggered"], default="together",
+                   help="together: every request has --output-len tokens; staggered: spread over [1/2, 3/2) of it, "
+                        "the batch drains and every decode step is measured")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")
