@@ -170,6 +170,14 @@ class IncrementalDetokenizer:
                 return text
         return self._add_to_window([token_id])
 
+    def text_as_is(self, token_id: int) -> str:
+        """The text add_token(token_id) would return now, where it is the token's own text (nothing
+        pending, byte-level BPE, the token's text complete); else "" (not known without a decode)."""
+        if self._joinable and len(self._window) == self._read_offset:
+            text = self._complete_texts.get(token_id)
+            return self.tokenizer.complete_token_text(token_id, self.skip_special_tokens) if text is None else text
+        return ""
+
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the text they finalised (empty while it is only part of a character)."""
         return self.add_token(token_ids[0]) if len(token_ids) == 1 else self._add_to_window(token_ids)

@@ -30,6 +30,7 @@ class RequestText:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     longest_stop: int  # the longest stop string's length (0: none), asked of every token
+    stop_ends: frozenset[str]  # the last character of each stop string: a new token's text must hold one to complete it
     text: str = ""
     num_detokenized: int = 0  # output tokens the text covers (the detokenizer has seen)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -67,6 +68,7 @@ class OutputProcessor:
                 self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             ),
             longest_stop=max(map(len, params.stop), default=0),
+            stop_ends=frozenset(stop[-1] for stop in params.stop),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
@@ -86,13 +88,24 @@ class OutputProcessor:
 
     def process_token(self, request: Request, sampled: SampledTokens, row: int) -> str | None:
         """Record the newest token of a watched request: its logprob (`row` of `sampled`) and, where
-        stop strings are checked on it, its text; the stop string it completed, if any."""
+        stop strings are checked on it, its text; the stop string it completed, if any.
+
+        A stop string is completed only by a token whose text holds its last character. A token that
+        adds its own text as is (text_as_is) and holds none of them completes none: its text, like
+        that of the tokens before it, waits until an output (or a token that may complete one) needs
+        it, then is made token by token, stop strings checked at each, as if made now.
+        """
         state = self.texts[request.request_id]
         if state.logprobs is not None:
             token_id, logprob = sampled.token_ids[row], sampled.logprobs[row]
             state.cumulative_logprob += logprob
             state.logprobs.append(self._logprob_dict(token_id, logprob, sampled.ranks[row], *sampled.top_of(row)))
-        return self._detokenize(request, state) if request.sampling_params.stop else None
+        if not request.sampling_params.stop:
+            return None
+        text = state.detokenizer.text_as_is(request.output_token_ids[-1])
+        if text and state.stop_ends.isdisjoint(text):
+            return None
+        return self._detokenize(request, state)
 
     def _detokenize(self, request: Request, state: RequestText) -> str | None:
         """Bring the text up to the request's newest token; the stop string found, if any (the text
