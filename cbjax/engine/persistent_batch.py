@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
-from cbjax.engine.block_table import BlockTable
+from cbjax.engine.block_table import BlockTable, empty_writes
 from cbjax.engine.buckets import Bucket
 from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
@@ -84,24 +84,37 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     starts = np.fromiter(row_starts, np.int32, num_rows)
     if not np.array_equal(starts, previous.starts[source] + 1):
         return None
-    old, new = previous.inputs, fresh_inputs(bucket)
-    # What stays the same for a request from step to step: copied from its row in the previous step.
-    # (Every row of a followable step samples one token: its row, token and sampling row are one index.)
-    for name in ("token_penalty_slots", "token_prompt_lens"):
-        getattr(new, name)[:num_rows] = getattr(old, name)[source]
-    for field in dataclasses.fields(old.sampling):
-        getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]
-    new.sampling.counters[:num_rows] += 1
-    attn = new.attention
-    attn.table_slots[:num_rows] = row_slots = old.attention.table_slots[source]  # the same requests hold the same slots
+    old = previous.inputs
+    if bucket == previous.bucket and len(source) == len(previous.requests):
+        # The same rows: what stays the same for each request is shared with the previous step's
+        # inputs (never written once packed); the columns that move on are copies.
+        attn = dataclasses.replace(old.attention, seq_lens=old.attention.seq_lens.copy(),
+                                   slot_mapping=old.attention.slot_mapping.copy(),
+                                   query_start_loc=old.attention.query_start_loc.copy(),
+                                   table_writes=empty_writes(len(old.attention.table_writes.slots), table.null_slot))
+        new = dataclasses.replace(old, token_ids=old.token_ids.copy(), token_sources=old.token_sources.copy(),
+                                  positions=old.positions.copy(), logits_indices=old.logits_indices.copy(), attention=attn,
+                                  sampling=dataclasses.replace(old.sampling, counters=old.sampling.counters.copy()))
+    else:
+        # Fewer rows: each copied from its request's row in the previous step, into this bucket's buffers.
+        # (Every row of a followable step samples one token: its row, token and sampling row are one index.)
+        new = fresh_inputs(bucket)
+        for name in ("token_penalty_slots", "token_prompt_lens"):
+            getattr(new, name)[:num_rows] = getattr(old, name)[source]
+        for field in dataclasses.fields(old.sampling):
+            getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]
+        new.attention.table_slots[:num_rows] = old.attention.table_slots[source]
+    attn, row_slots = new.attention, new.attention.table_slots[:num_rows]  # the same requests hold the same slots
     block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
     for i in np.flatnonzero(block_counts != previous.block_counts[source]).tolist():  # a new block every block_size tokens: a few rows a step
         table.sync(int(row_slots[i]), requests[i].block_ids)
     table.take_writes(attn.table_writes)
     # One position further on, each row's token taken on the device from what its request's row sampled.
+    new.token_ids[:num_rows] = 0
     new.token_sources[:num_rows] = source
     new.positions[:num_rows] = starts
     new.logits_indices[:num_rows] = np.arange(num_rows)
+    new.sampling.counters[:num_rows] = old.sampling.counters[source] + 1
     attn.seq_lens[:num_rows] = starts + 1
     attn.query_start_loc[: num_rows + 1] = np.arange(num_rows + 1)
     attn.query_start_loc[num_rows + 1 :] = num_rows
