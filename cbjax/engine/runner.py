@@ -179,8 +179,8 @@ class ModelRunner:
             config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints)
         # Table writes beyond a step's own capacity go first, this many per call of the write_table program.
         self.table_write_size = max(self._write_capacity(bucket) for bucket in self.buckets)
-        # The latest step's sampled tokens, kept on the device (padded to the widest bucket), and
-        # each request's row in them: the next step reads from there the tokens the host lacks.
+        # The latest step's sampled tokens, kept on the device (padded to the widest bucket): the next
+        # step reads from there the tokens the host lacks (each request's row: the PreparedStep's).
         self.last_sampled = self._replicated_zeros((max(b.num_reqs for b in self.buckets),))
         # The latest prepared step: a decode step over the same rows, one position on, follows it
         # (persistent_batch.py) instead of being built row by row. Off: every step row by row.
@@ -316,9 +316,13 @@ class ModelRunner:
             shardings = {"in_shardings": (replicated, replicated), "out_shardings": replicated}
         return jax.jit(write_table, donate_argnums=(0,), **shardings)
 
+    def _spill_writes(self) -> TableWrites:
+        """Empty host buffers of one write_table call (table_write_size entries)."""
+        return empty_writes(self.table_write_size, self.table.null_slot)
+
     @functools.cached_property
     def _write_table_layout(self) -> PackedLayout:
-        return PackedLayout.of(empty_writes(self.table_write_size, self.table.null_slot))
+        return PackedLayout.of(self._spill_writes())
 
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
@@ -511,7 +515,7 @@ class ModelRunner:
                 self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
             )
             result.block_until_ready()
-        self.block_table = self._table_writer()(self.block_table, pack(empty_writes(self.table_write_size, self.table.null_slot)))
+        self.block_table = self._table_writer()(self.block_table, pack(self._spill_writes()))
         self._prepared = None  # last_sampled now holds the warm-up's tokens: no step follows from it
 
     def peak_step_bytes(self) -> int:
@@ -652,7 +656,7 @@ class ModelRunner:
         bucket, inputs = self.prepare(scheduled)
         with peer_failures(self.step_broadcast):  # multi-host: a dead peer fails the step's collectives
             while self.table.num_queued:  # entries the step had no room for (block_table.py): written first
-                writes = empty_writes(self.table_write_size, self.table.null_slot)
+                writes = self._spill_writes()
                 self.table.take_writes(writes)
                 self.write_table(pack(writes))
             result = self.launch(bucket, pack(inputs))
