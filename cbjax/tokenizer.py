@@ -199,8 +199,8 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        # Called twice per token of every request. The second call, once the window has moved on,
-        # is nearly always of the one newest token: cached.
+        # Called twice per token the window path takes. The second call, once the window has moved
+        # on, is nearly always of the one newest token: cached.
         if len(token_ids) == 1:
             return self.tokenizer.decode_token(token_ids[0], self.skip_special_tokens)
         # The backend's own decode: the wrapper's copy shows.
