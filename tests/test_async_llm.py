@@ -66,7 +66,7 @@ def test_aborts_fired_from_another_thread_during_steps_land_between_steps(engine
         else:
             assert completion.finish_reason == "length" and len(completion.token_ids) == 20
     assert_idle(engine.get_stats())
-    assert engine.requests == {}
+    assert engine.book.requests == {}
 
 
 class FinishedRecorder:

@@ -1,8 +1,9 @@
 """AsyncLLM (vLLM's name): the engine for asyncio callers, e.g. the OpenAI server.
 
-The engine core steps the engine in its own thread; AsyncLLM gives each request an asyncio
-queue that the core fills, and an async iterator over it. Leaving the iterator early (a client
-that disconnects, a cancelled task) aborts the request.
+The engine core steps the engine in its own thread (core.py), or with engine_process=True in its
+own process, this one making the text and outputs (engine_process.py, vLLM V1's split); AsyncLLM
+gives each request an asyncio queue that the core fills, and an async iterator over it. Leaving
+the iterator early (a client that disconnects, a cancelled task) aborts the request.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.core import EngineCore, EngineDeadError, StatLogger
 from cbjax.engine.engine import LLMEngine, Prompt
+from cbjax.engine.engine_process import EngineProcess, build_engine
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer import Tokenizer
@@ -26,14 +28,23 @@ class AsyncLLM:
     """Load and compile like `LLM(model, **options)`, then serve concurrent `generate` calls.
 
     stat_loggers: factories (vLLM's StatLoggerFactory) called with the resolved EngineConfig; the
-    loggers they make see every step's outputs, in the engine-core thread.
+    loggers they make see every step's outputs, in the engine-core thread (with engine_process:
+    in the thread that reads the core's steps).
+    engine_process: run the engine core in a child process (see engine_process.py); the model is
+    loaded and compiled there, and this process only tokenizes, detokenizes and makes outputs.
     """
 
     def __init__(
         self, model: str, *, stat_loggers: Sequence[StatLoggerFactory] = (), progress: bool = True,
-        **options: Any,
+        engine_process: bool = False, **options: Any,
     ):
-        self._attach(LLMEngine(EngineConfig(model=model, **options), progress=progress), stat_loggers)
+        if not engine_process:
+            self._attach(LLMEngine(EngineConfig(model=model, **options), progress=progress), stat_loggers)
+            return
+        core = EngineProcess(build_engine, ({"model": model, **options}, progress), stat_loggers)
+        self.engine_config, self.tokenizer, self.model_config = core.engine_config, core.tokenizer, core.model_config
+        self.core = core
+        core.start()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, stat_loggers: Sequence[StatLoggerFactory] = ()) -> AsyncLLM:

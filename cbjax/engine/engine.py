@@ -19,9 +19,11 @@ from cbjax.engine.compile_cache import enable_compile_cache
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.kv_sizing import plan_num_blocks
 from cbjax.engine.output_processor import OutputProcessor
-from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids, shares_prompt
+from cbjax.engine.parallel_sampling import ParentRequest, shares_prompt
 from cbjax.engine.penalty_state import penalty_state_bytes
+from cbjax.engine.progress import ChildState, StepProgress, empty_progress
 from cbjax.engine.request import Request, RequestStatus
+from cbjax.engine.request_book import Prompt, RequestBook, tokenize_prompt
 from cbjax.engine.runner import SUPPRESS_LEN, LaunchedStep, ModelRunner, kv_cache_dtype
 from cbjax.engine.scheduler import Scheduler
 from cbjax.engine.sharding import TensorParallel
@@ -33,9 +35,6 @@ from kernels_cpu import register_in_background
 from kernels_pallas.backend import resolve_backend
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | dict[str, Any]
-
 
 class LLMEngine:
     """One model, one KV pool, one scheduler; `step()` advances every running request by one step."""
@@ -108,8 +107,10 @@ class LLMEngine:
             max_num_prefills=config.max_num_prefills,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
-        self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
+        self.book = RequestBook(self.output_processor)
+        # An engine core in its own process (engine_process.py) sends each step's progress, not
+        # outputs: its front end makes the text and outputs, and stops requests by stop strings.
+        self.sends_progress = False
         # Abort ids may arrive from any thread; deque appends and pops are atomic, and step() applies
         # them between device steps, so an abort never lands inside a step.
         self.pending_aborts: collections.deque[str] = collections.deque()
@@ -138,33 +139,14 @@ class LLMEngine:
         """Queue a request (n > 1: one child request per completion); bad input raises ValueError
         and leaves the engine as it was."""
         params = sampling_params or SamplingParams()
-        child_ids = child_request_ids(request_id, params.n)
-        in_use = [i for i in [request_id, *child_ids] if i in self.requests or i in self.parents]
-        if in_use:
-            raise ValueError(f"request_id {in_use[0]!r} is already in use; give each request a unique id")
-        text, token_ids = self._tokenize(prompt)
+        self.book.check_free(request_id, params.n)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self._validate(token_ids, params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        children = [
-            Request(child_id, token_ids, child_params(params, index), self.eos_token_ids, arrival_time)
-            for index, child_id in enumerate(child_ids)
-        ]
-        parent = ParentRequest(request_id, children)
-        self.requests[request_id] = parent
+        children = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text).children
         wait_for = children[0] if shares_prompt(params, self.config.enable_prefix_caching) else None
         for child in children:
-            self.parents[child.request_id] = parent
-            self.output_processor.add_request(child, text)
             self.scheduler.add_request(child, wait_for if child is not children[0] else None)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        raise ValueError(
-            f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
-        )
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         max_model_len, vocab = self.config.max_model_len, self.model_config.vocab_size
@@ -216,23 +198,46 @@ class LLMEngine:
 
         The step recorded is the one just launched, or with async scheduling the one launched
         before it, read while the new one runs (which takes its decode tokens from that step's
-        output on the device): the host's work overlaps the device's.
+        output on the device): the host's work overlaps the device's. An engine core that sends
+        progress (send_progress) returns a StepProgress instead.
         """
-        outputs = self._apply_aborts()
+        aborted = self._apply_aborts()
         if self.in_flight is not None and not self._overlaps():
             # Overlapping stops: read the step in flight now and schedule the next one on the next
             # call, so each call still reports one step (an abort between calls lands exactly).
             launched, self.in_flight = self.in_flight, None
-            return outputs + self._record(launched)
+            return self._report(aborted, launched)
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
         self.num_steps += launched is not None
         if self.in_flight is not None or self._overlaps():  # a step in flight is always read before this one
             launched, self.in_flight = self.in_flight, launched
+        return self._report(aborted, launched)
+
+    def _report(self, aborted: list[ParentRequest], launched: LaunchedStep | None) -> Any:
+        if self.sends_progress:
+            return self._progress(aborted, launched)
+        outputs = [self.book.finish(parent) for parent in aborted]
         if launched is not None:
             outputs += self._record(launched)
         return outputs
+
+    def send_progress(self) -> None:
+        """Make this engine an engine core whose front end is elsewhere (engine_process.py): step()
+        returns StepProgress, and text, stop strings and outputs are the front end's. Call it
+        before any request is added."""
+        self.sends_progress = True
+        self.book.output_processor = None
+
+    def stop_request(self, child_id: str) -> None:
+        """Finish one child request a stop string ended (the front end found it); like an abort it
+        lands between steps, and a step in flight skips its row."""
+        parent = self.book.parents.get(child_id)
+        if parent is not None and self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED) is not None:
+            self.runner.release_request(child_id)
+            if parent.finished:
+                self.book.forget(parent)
 
     def _overlaps(self) -> bool:
         """Whether this step reads the previous step's tokens (async scheduling) or its own.
@@ -248,73 +253,60 @@ class LLMEngine:
             return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
         return mode
 
-    def _apply_aborts(self) -> list[RequestOutput]:
-        outputs = []
+    def _apply_aborts(self) -> list[ParentRequest]:
+        aborted = []
         while self.pending_aborts:
-            parent = self.requests.get(self.pending_aborts.popleft())
+            parent = self.book.requests.get(self.pending_aborts.popleft())
             if parent is not None:
                 for child in parent.children:
                     self.scheduler.abort_request(child.request_id)
                     self.runner.release_request(child.request_id)
-                outputs.append(self._finish_output(parent))
-        return outputs
+                aborted.append(parent)
+        return aborted
 
     def _record(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched step's tokens into its requests. A request finished since the step was
-        launched (aborted, or stopped by the step before) is skipped: its speculative token is
-        never shown or counted, and its blocks and penalty slot are already free."""
+        """Read a launched step's tokens into its requests, and their outputs (RequestBook.progressed
+        says which). A request finished since the step was launched is skipped: its blocks and
+        penalty slot are already free."""
         sampled, prompt_logprobs = self.runner.collect(launched)
         for row in launched.scheduled.scheduled if prompt_logprobs else ():
             if not row.request.is_finished and row.request.request_id in prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(row.request.request_id, prompt_logprobs[row.request.request_id])
         finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
-        finished_by_update = set(finished_now)
-        outputs = []
-        with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
-        output_processor, parents = self.output_processor, self.parents
-        watched, wants_output = output_processor.watched, output_processor.wants_output
-        if watched or output_processor.report_every_step:
-            rows = enumerate(sampled.sampling_requests)
-        else:  # nobody reads a token before its request finishes (LLM.generate's): only the finished need a
-            rows = ((None, request) for request in finished_now)  # look, and no row (process_token is for watched ones)
-        for row, request in rows:
-            finished = request.is_finished
-            if finished and request not in finished_by_update:
-                continue  # finished before the step's tokens came back (update skipped it too)
-            if request in watched:
-                stop = output_processor.process_token(request, sampled, row)
-                if stop is not None:
-                    if finished:
-                        request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
-                    else:
-                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                        finished = True
-                    request.stop_reason = stop
-            if finished:  # now, not with its last sibling: its penalty slot serves others
-                self.runner.release_request(request.request_id)
-            elif not wants_output(request):
-                continue  # nothing to report (its siblings, if any, share its output kind)
+        progressed = self.book.progressed(sampled, finished_now, self._stop, self._release)
+        return self.book.outputs(progressed)
+
+    def _progress(self, aborted: list[ParentRequest], launched: LaunchedStep | None) -> StepProgress:
+        """The step as an engine core sends it: tokens and finishes, no text (see progress.py)."""
+        aborted_children = [ChildState.of(child) for parent in aborted for child in parent.children]
+        for parent in aborted:
+            self.book.forget(parent)
+        if launched is None:
+            return empty_progress(self.get_stats(), aborted=aborted_children)
+        sampled, prompt_logprobs = self.runner.collect(launched)
+        finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
+        requests, parents = sampled.sampling_requests, self.book.parents
+        for request in finished_now:
+            self.runner.release_request(request.request_id)
             parent = parents[request.request_id]
-            if len(parent.children) > 1:
-                with_siblings[parent.request_id] = parent
-            else:
-                self._add_output(outputs, parent, finished)
-        for parent in with_siblings.values():
-            self._add_output(outputs, parent, parent.finished)
-        return outputs
+            if parent.finished:
+                self.book.forget(parent)
+        return StepProgress(
+            rejected=[], aborted=aborted_children,
+            row_ids=[request.request_id for request in requests], token_ids=sampled.token_ids,
+            logprobs=sampled.logprobs, ranks=sampled.ranks, top=sampled.top, prompt_logprobs=prompt_logprobs,
+            # (a request finished before the step came back may show here too: the front end skips its row)
+            started=[ChildState.of(request) for request in requests if len(request.output_token_ids) == 1],
+            finished=[ChildState.of(request) for request in finished_now],
+            preempted=launched.scheduled.preempted_request_ids,
+            stats=self.get_stats(), num_step_tokens=self.last_step_num_tokens,
+        )
 
-    def _add_output(self, outputs: list[RequestOutput], parent: ParentRequest, finished: bool) -> None:
-        """The output of a request that progressed, if it finished or someone reads its progress."""
-        if finished:
-            outputs.append(self._finish_output(parent))
-        elif self.output_processor.wants_output(parent.children[0]):
-            outputs.append(self.output_processor.make_output(parent))
+    def _stop(self, request: Request) -> None:
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _finish_output(self, parent: ParentRequest) -> RequestOutput:
-        del self.requests[parent.request_id]
-        for child in parent.children:
-            del self.parents[child.request_id]
-        return self.output_processor.make_output(parent)
+    def _release(self, request: Request) -> None:
+        self.runner.release_request(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block; False (and nothing done) while requests hold blocks."""

@@ -1,0 +1,130 @@
+"""The requests an engine serves, and how a step's sampled tokens become their outputs.
+
+LLMEngine keeps one book for the requests it schedules. When the engine core runs in its own
+process (`engine_process.py`), the core's book only finds a request by id, and the front end keeps
+a second book of mirrors of the core's requests (`frontend.py`): the rules below run there on the
+tokens the core sends, so a stream's text, stop strings and outputs come out the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cbjax.engine.output_processor import OutputProcessor
+from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
+from cbjax.engine.request import Request, RequestStatus
+from cbjax.engine.runner import SampledTokens
+from cbjax.outputs import RequestOutput
+from cbjax.sampling_params import SamplingParams
+from cbjax.tokenizer import Tokenizer
+
+Prompt = str | dict[str, Any]
+
+Progressed = list[tuple[ParentRequest, bool]]  # parents with news this step, and whether each finished
+
+
+class RequestBook:
+    def __init__(self, output_processor: OutputProcessor | None):
+        self.output_processor = output_processor  # None: nothing here makes text or outputs (an engine core's)
+        self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
+        self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
+
+    def check_free(self, request_id: str, n: int) -> None:
+        """Raise ValueError if `request_id`, or a child id of its n completions, is being served."""
+        in_use = next((i for i in [request_id, *child_request_ids(request_id, n)] if i in self.requests or i in self.parents), None)
+        if in_use is not None:
+            raise ValueError(f"request_id {in_use!r} is already in use; give each request a unique id")
+
+    def add_new(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
+        arrival_time: float, prompt: str | None,
+    ) -> ParentRequest:
+        """A request, one child per completion (n > 1), added to the book."""
+        children = [
+            Request(child_id, token_ids, child_params(params, index), eos_token_ids, arrival_time)
+            for index, child_id in enumerate(child_request_ids(request_id, params.n))
+        ]
+        parent = ParentRequest(request_id, children)
+        self.requests[request_id] = parent
+        for child in children:
+            self.parents[child.request_id] = parent
+            if self.output_processor is not None:
+                self.output_processor.add_request(child, prompt)
+        return parent
+
+    def forget(self, parent: ParentRequest) -> None:
+        del self.requests[parent.request_id]
+        for child in parent.children:
+            del self.parents[child.request_id]
+
+    def progressed(
+        self, sampled: SampledTokens, finished_now: list[Request],
+        stop: Callable[[Request], None], release: Callable[[Request], None],
+    ) -> Progressed:
+        """Read a step's tokens (already in its requests) into text and stop strings: the parents
+        that have an output to give, in row order (those with several children after the others).
+
+        A request finished since the step was launched (aborted, or stopped by the step before) is
+        skipped: its speculative token is never shown or counted. `stop(request)` ends a request a
+        stop string ended (its status and stop_reason are set after); `release(request)` frees what
+        a finished one held.
+        """
+        output_processor, parents = self.output_processor, self.parents
+        finished_by_update = set(finished_now)
+        watched, wants_output = output_processor.watched, output_processor.wants_output
+        if watched or output_processor.report_every_step:
+            rows = enumerate(sampled.sampling_requests)
+        else:  # nobody reads a token before its request finishes (LLM.generate's): only the finished need a
+            rows = ((None, request) for request in finished_now)  # look, and no row (process_token is for watched ones)
+        progressed: Progressed = []
+        with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
+        for row, request in rows:
+            finished = request.is_finished
+            if finished and request not in finished_by_update:
+                continue  # finished before the step's tokens came back (update skipped it too)
+            if request in watched:
+                stop_string = output_processor.process_token(request, sampled, row)
+                if stop_string is not None:
+                    if not finished:
+                        stop(request)
+                        finished = True
+                    request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
+                    request.stop_reason = stop_string
+            if finished:  # now, not with its last sibling: its penalty slot serves others
+                release(request)
+            elif not wants_output(request):
+                continue  # nothing to report (its siblings, if any, share its output kind)
+            parent = parents[request.request_id]
+            if len(parent.children) > 1:
+                with_siblings[parent.request_id] = parent
+            else:
+                progressed.append((parent, finished))
+        progressed += [(parent, parent.finished) for parent in with_siblings.values()]
+        return progressed
+
+    def outputs(self, progressed: Iterable[tuple[ParentRequest, bool]]) -> list[RequestOutput]:
+        """The outputs of parents that progressed: a finished one's last, or, where someone reads
+        its progress, an unfinished one's."""
+        outputs = []
+        wants_output = self.output_processor.wants_output
+        for parent, finished in progressed:
+            if finished:
+                outputs.append(self.finish(parent))
+            elif wants_output(parent.children[0]):
+                outputs.append(self.output_processor.make_output(parent))
+        return outputs
+
+    def finish(self, parent: ParentRequest) -> RequestOutput:
+        """A finished request's last output; the book forgets it."""
+        self.forget(parent)
+        return self.output_processor.make_output(parent)
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """A prompt's text (None if given as ids alone) and token ids."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+    raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
