@@ -125,3 +125,23 @@ def test_bench_host_staggered_requests_leave_one_by_one_and_every_decode_step_co
     # each first token, then 6 decode steps (the longest's 6 others), each one measured but the last.
     assert run["finish"] == "staggered" and run["num_output_tokens"] == 3 + 4 + 6 + 7
     assert run["num_steps"] == 7 and run["num_measured_steps"] == 5
+
+
+def test_bench_host_with_the_engine_core_in_its_own_process(checkpoint, tmp_path):
+    """--engine-process on off: the same workload with the core in a child process (its steps
+    timed there, the outputs made here) and in this one, side by side; the same tokens come back."""
+    path = tmp_path / "host.json"
+    main([
+        "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "--delays-ms", "0", "3",
+        "--variants", "penalties+stop", "--output-kinds", "delta", "final_only", "--prompt-len", "8", "--output-len", "6",
+        "--engine-process", "on", "off", "--result-json", str(path),
+    ])
+    runs = json.loads(path.read_text())["runs"]
+    assert sorted((r["engine_process"], r["output_kind"], r["delay_ms"]) for r in runs) == sorted(
+        (process, kind, delay) for process in ("on", "off") for kind in ("delta", "final_only") for delay in (0, 3))
+    for run in runs:
+        # As above: 4 x 6 tokens, never stopped, a prefill step then 5 decode steps, 4 measured.
+        assert run["num_output_tokens"] == 24 and run["finish_reasons"] == ["length"]
+        assert run["num_steps"] == 6 and run["num_measured_steps"] == 4
+        assert run["device_ms_per_step"] == pytest.approx(run["delay_ms"], abs=1e-6)
+        assert 0 <= run["host_ms_per_step"] <= run["wall_ms_per_step"]

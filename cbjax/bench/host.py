@@ -30,6 +30,8 @@ requests leave one after another, as in continuous batching, and every decode st
 from __future__ import annotations
 
 import argparse
+import functools
+import queue
 import statistics
 import time
 from typing import Any
@@ -51,7 +53,8 @@ PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_pena
 VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS},
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
 OUTPUT_KINDS = ["final_only", "delta", "cumulative"]
-SETTING = ["max_model_len", "variant", "output_kind", "num_running", "finish", "delay_ms", "async_scheduling"]
+SETTING = ["max_model_len", "variant", "output_kind", "num_running", "finish", "delay_ms", "async_scheduling",
+           "engine_process"]
 TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
 KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
@@ -64,35 +67,81 @@ def output_lens(output_len: int, num_running: int, finish: str) -> list[int]:
     return [output_len // 2 + (i * output_len) // num_running for i in range(num_running)]
 
 
+def host_params(output_len: int, num_running: int, variant: str, output_kind: str, finish: str) -> list[Any]:
+    """Each request's SamplingParams: greedy, ignore_eos, the variant's extras."""
+    from cbjax.sampling_params import RequestOutputKind, SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                           output_kind=RequestOutputKind[output_kind.upper()], **VARIANTS[variant])
+            for max_tokens in output_lens(output_len, num_running, finish)]
+
+
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
              variant: str, delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only",
              finish: str = "together") -> dict[str, Any]:
     """One run: `num_running` requests from start to finish; medians over the steps all of them
     decode (finish="staggered": over every decode step)."""
-    from cbjax.sampling_params import RequestOutputKind, SamplingParams
-
     passage = engine.tokenizer.encode(PASSAGE)
-    timeline.delay_s = delay_s
-    timeline.steps.clear()
-    engine.config.async_scheduling = async_scheduling == "on"
-    for i, max_tokens in enumerate(output_lens(output_len, num_running, finish)):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind[output_kind.upper()], **VARIANTS[variant])
+    _start_run(engine, delay_s, async_scheduling, timeline)
+    for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish)):
         engine.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params)
     finished = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         finished += [output for output in engine.step() if output.finished]
     elapsed = time.perf_counter() - start
-    steps = timeline.steps
+    return measure(timeline.steps, finished, elapsed, num_running, finish) | {
+        "max_model_len": engine.config.max_model_len, "variant": variant, "output_kind": output_kind,
+        "num_running": num_running, "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
+        "engine_process": "off", "prompt_len": prompt_len, "output_len": output_len,
+    }
+
+
+def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len: int, variant: str, delay_s: float,
+                        async_scheduling: str = "on", output_kind: str = "final_only",
+                        finish: str = "together") -> dict[str, Any]:
+    """run_host with the engine core in its own process (`core`, an EngineProcess whose engine has
+    a stand-in device): the steps are the core's, the outputs made in this process."""
+    passage = core.tokenizer.encode(PASSAGE)
+    core.call(_start_run, delay_s, async_scheduling)
+    arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    core.add_requests([(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put)  # all before a step
+                       for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish))])
+    finished = []
+    start = time.perf_counter()
+    while len(finished) < num_running:
+        item = arrived.get(timeout=600)
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            finished.append(item)
+    elapsed = time.perf_counter() - start
+    return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | {
+        "max_model_len": core.engine_config.max_model_len, "variant": variant, "output_kind": output_kind,
+        "num_running": num_running, "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
+        "engine_process": "on", "prompt_len": prompt_len, "output_len": output_len,
+    }
+
+
+def _start_run(engine: Any, delay_s: float, async_scheduling: str, timeline: Any = None) -> None:
+    timeline = timeline or engine.standin_timeline
+    timeline.delay_s = delay_s
+    timeline.steps.clear()
+    engine.config.async_scheduling = async_scheduling == "on"
+
+
+def _timeline_steps(engine: Any) -> list[Any]:
+    return engine.standin_timeline.steps
+
+
+def measure(steps: list[Any], finished: list[Any], elapsed: float, num_running: int, finish: str) -> dict[str, Any]:
+    """The per-step times of a run's device timeline, over the steps all its requests decode
+    (finish="staggered": every decode step)."""
     full = [i for i in range(len(steps) - 1) if steps[i].kind == "decode"
             and (finish == "staggered" or steps[i].num_sampling_rows == num_running)]
     if not full:
         raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
     return {
-        "max_model_len": engine.config.max_model_len, "variant": variant, "output_kind": output_kind, "num_running": num_running,
-        "finish": finish,
-        "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling, "prompt_len": prompt_len, "output_len": output_len,
         "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
         "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
@@ -140,21 +189,41 @@ def build_standin_engine(args: argparse.Namespace, max_model_len: int):
     return engine, install_standin(engine.runner, 0.0, engine.tokenizer.encode(PASSAGE))
 
 
+def build_standin_core(args: argparse.Namespace, max_model_len: int) -> Any:
+    """An engine core process's engine (engine_process.run_engine_core calls it): the stand-in's."""
+    engine, timeline = build_standin_engine(args, max_model_len)
+    engine.standin_timeline = timeline
+    return engine
+
+
 def cmd_host(args: argparse.Namespace) -> None:
+    from cbjax.engine.engine_process import EngineProcess
+
     runs = []
     for max_model_len in args.max_model_lens:
-        engine, timeline = build_standin_engine(args, max_model_len)
-        run_host(engine, timeline, min(args.num_running), args.prompt_len, args.output_len, "penalties+stop", 0.0)  # warm-up
+        runners = {}  # by --engine-process: one run of the sweep's settings
+        if "off" in args.engine_process:
+            engine, timeline = build_standin_engine(args, max_model_len)
+            runners["off"] = functools.partial(run_host, engine, timeline)
+        if "on" in args.engine_process:
+            core = EngineProcess(build_standin_core, (args, max_model_len))
+            core.start()
+            runners["on"] = functools.partial(run_host_in_process, core)
+        for run in runners.values():  # warm-up
+            run(min(args.num_running), args.prompt_len, args.output_len, "penalties+stop", 0.0)
+        sides = [(process, overlap) for process in args.engine_process for overlap in args.async_scheduling]
         for _ in range(args.repeats):
             for variant in args.variants:
                 for output_kind in args.output_kinds:
                     for num_running in args.num_running:
                         for delay_ms in args.delays_ms:
-                            pair = len(runs) // len(args.async_scheduling)  # A B, then B A: side by side, fairly
-                            for overlap in args.async_scheduling if pair % 2 == 0 else reversed(args.async_scheduling):
-                                runs.append(run_host(engine, timeline, num_running, args.prompt_len, args.output_len,
-                                                     variant, delay_ms / 1e3, overlap, output_kind, args.finish))
+                            pair = len(runs) // len(sides)  # A B, then B A: side by side, fairly
+                            for process, overlap in sides if pair % 2 == 0 else reversed(sides):
+                                runs.append(runners[process](num_running, args.prompt_len, args.output_len, variant,
+                                                             delay_ms / 1e3, overlap, output_kind, args.finish))
                                 print_table(runs[-1:], KEYS)
+        if "on" in runners:
+            core.shutdown(timeout=30)
     medians = medians_by_setting(runs)
     print(f"\nmedians over {args.repeats} repeat(s):")
     print_table(medians, [*SETTING, *TIMES])
@@ -174,6 +243,9 @@ def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--finish", choices=["together", "staggered"], default="together",
                    help="together: every request has --output-len tokens; staggered: spread over [1/2, 3/2) of it, "
                         "the batch drains and every decode step is measured")
+    p.add_argument("--engine-process", nargs="+", default=["off"], choices=["off", "on"],
+                   help="on: the engine core in its own process, outputs made in this one (AsyncLLM's "
+                        "engine_process); both: side by side")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")
