@@ -93,6 +93,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="demand 'Authorization: Bearer KEY' on /v1/* (default $CBJAX_API_KEY)")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 + Retry-After once this many requests wait (default: no limit)")
+    parser.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="run the engine core in its own process, this one tokenizing, detokenizing and answering HTTP "
+             "(vLLM's layout); --no-engine-process: the engine core in a thread of this process; multi-host "
+             "leaders always use the thread",
+    )
     parser.add_argument("--max-request-bytes", type=int, default=10 * 2**20, help="413 for larger request bodies")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")

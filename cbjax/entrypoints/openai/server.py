@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import ipaddress
 import logging
 import os
@@ -43,7 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     registry = CollectorRegistry()
     engine = AsyncLLM(
         str(model_dir),
-        stat_loggers=[lambda config: PrometheusStatLogger(registry, served_model_name, config)],
+        stat_loggers=[functools.partial(PrometheusStatLogger, registry, served_model_name)],
+        engine_process=args.engine_process and args.num_processes == 1,
         **engine_options(args),
     )
     state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests)
