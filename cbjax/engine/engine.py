@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 import logging
 import time
 from typing import Any
@@ -144,6 +145,8 @@ class LLMEngine:
         self._validate(token_ids, params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text).children
+        if self.sends_progress:
+            self._unstarted.update(children)
         wait_for = children[0] if shares_prompt(params, self.config.enable_prefix_caching) else None
         for child in children:
             self.scheduler.add_request(child, wait_for if child is not children[0] else None)
@@ -229,6 +232,8 @@ class LLMEngine:
         before any request is added."""
         self.sends_progress = True
         self.book.output_processor = None
+        self._sent_rows: tuple[Request, ...] = ()  # the rows of the step sent last
+        self._unstarted: set[Request] = set()  # requests added that have no output token yet
 
     def stop_request(self, child_id: str) -> None:
         """Finish one child request a stop string ended (the front end found it); like an abort it
@@ -284,19 +289,32 @@ class LLMEngine:
         if launched is None:
             return empty_progress(self.get_stats(), aborted=aborted_children)
         sampled, prompt_logprobs = self.runner.collect(launched)
+        rows = sampled.sampling_requests
+        skipped = [row for row, request in enumerate(rows) if request.is_finished]  # update skips their tokens
         finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
-        requests, parents = sampled.sampling_requests, self.book.parents
+        parents = self.book.parents
         for request in finished_now:
             self.runner.release_request(request.request_id)
             parent = parents[request.request_id]
             if parent.finished:
                 self.book.forget(parent)
+        # The same request objects as the step sent last (a decode over the same batch): the front
+        # end keeps its mirrors of them (ids alone could name a new request reusing a finished one's id).
+        previous = self._sent_rows
+        same_rows = len(rows) == len(previous) and all(map(operator.is_, rows, previous))
+        self._sent_rows = rows
+        # Requests whose first token came: looked for among those without one (a few, not every row).
+        started = [request for request in self._unstarted if request.output_token_ids or request.is_finished]
+        for request in started:
+            self._unstarted.remove(request)
         return StepProgress(
             rejected=[], aborted=aborted_children,
-            row_ids=[request.request_id for request in requests], token_ids=sampled.token_ids,
-            logprobs=sampled.logprobs, ranks=sampled.ranks, top=sampled.top, prompt_logprobs=prompt_logprobs,
-            # (a request finished before the step came back may show here too: the front end skips its row)
-            started=[ChildState.of(request) for request in requests if len(request.output_token_ids) == 1],
+            row_ids=None if same_rows else [request.request_id for request in rows], skipped=skipped,
+            token_ids=sampled.token_ids,
+            # The logprob columns only where a row asked for logprobs (they then have a `top`).
+            logprobs=sampled.logprobs if sampled.top else [], ranks=sampled.ranks if sampled.top else [],
+            top=sampled.top, prompt_logprobs=prompt_logprobs,
+            started=[ChildState.of(request) for request in started if request.output_token_ids],
             finished=[ChildState.of(request) for request in finished_now],
             preempted=launched.scheduled.preempted_request_ids,
             stats=self.get_stats(), num_step_tokens=self.last_step_num_tokens,

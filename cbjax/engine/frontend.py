@@ -34,6 +34,7 @@ class Frontend:
         self.book = RequestBook(self.output_processor)
         self.eos_token_ids = list(eos_token_ids)
         self.stop = stop  # asks the core to stop a child request (by its id)
+        self._rows: tuple[Request, ...] = ()  # the mirrors of the latest step's rows
 
     def add_request(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float, prompt: str | None
@@ -70,7 +71,14 @@ class Frontend:
                 if parent.finished:
                     progressed.append((parent, True))
         mirror = self._mirror
-        rows = tuple(mirror(request_id) or _GONE for request_id in progress.row_ids)
+        if progress.row_ids is not None:  # (else the rows of the step before, with the mirrors found for them then)
+            self._rows = tuple(mirror(request_id) or _GONE for request_id in progress.row_ids)
+        rows = self._rows if progress.token_ids else ()  # (no step: a message of rejections, aborts or stats)
+        if progress.skipped:  # the core skipped them: their requests are finished, or gone here
+            rows = list(rows)
+            for row in progress.skipped:
+                rows[row] = _GONE
+            rows = tuple(rows)
         for request, token_id in zip(rows, progress.token_ids):
             if not request.is_finished:  # as the core's update: a request finished before the step skips it
                 request.append_output_token(token_id)

@@ -38,13 +38,14 @@ class StepProgress:
 
     rejected: list[tuple[str, str]]  # (request id, why): adds the core refused (ValueError's message)
     aborted: list[ChildState]  # children of the requests aborted before the step's tokens were read
-    row_ids: list[str]  # the step's sampling rows' request ids, then their columns (SampledTokens')
-    token_ids: list[int]
+    row_ids: list[str] | None  # the step's sampling rows' request ids (None: the previous step's), then
+    skipped: list[int]  # rows of requests finished before the step was read: no token for them
+    token_ids: list[int]  # their columns (SampledTokens'); logprobs and ranks empty where no row asked for logprobs
     logprobs: list[float]
     ranks: list[int]
     top: dict[int, tuple[list[int], list[float]]]
     prompt_logprobs: dict[str, PromptLogprobsChunk]
-    started: list[ChildState]  # rows whose first output token this is (their times, cached tokens)
+    started: list[ChildState]  # requests whose first output token this is (their times, cached tokens)
     finished: list[ChildState]  # rows the step finished (eos, stop token ids, length)
     preempted: list[str]  # requests the step's schedule preempted
     stats: dict[str, Any]  # LLMEngine.get_stats() after the step
@@ -53,4 +54,4 @@ class StepProgress:
 
 def empty_progress(stats: dict[str, Any], rejected: list[tuple[str, str]] = (), aborted: list[ChildState] = ()) -> StepProgress:
     """A message with no step: rejections and aborts applied while no step ran."""
-    return StepProgress(list(rejected), list(aborted), [], [], [], [], {}, {}, [], [], [], stats, 0)
+    return StepProgress(list(rejected), list(aborted), None, [], [], [], [], {}, {}, [], [], [], stats, 0)
