@@ -17,6 +17,10 @@ from cbjax import AsyncLLM, RequestOutputKind, SamplingParams
 from cbjax.engine.config import EngineConfig
 from cbjax.engine.core import EngineDeadError
 from cbjax.engine.engine import LLMEngine
+from cbjax.engine.frontend import Frontend
+from cbjax.engine.progress import ChildState, empty_progress
+from cbjax.engine.request import RequestStatus
+from cbjax.tokenizer import Tokenizer
 
 # A small pool: 16 requests of up to ~40 tokens do not all fit at once, so some are preempted.
 OPTIONS = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_kv_blocks=20,
@@ -142,6 +146,36 @@ def test_a_stop_string_ends_the_stream_and_frees_the_core_blocks(in_process, in_
     assert full.startswith(text + stop) and stop not in text and len(stopped[-1].metrics.__dict__) > 0
     assert sum(len(o.outputs[0].token_ids) for o in stopped) < 60
     wait_idle(in_process)  # the core stopped it when told, and its blocks are back
+
+
+def test_the_front_end_gives_a_skipped_row_to_nobody(tiny):
+    """Made by hand, the messages of a race: "x" finishes (here by an abort; a stop string found
+    by the front end frees its id the same way, at once), a new "x" is added, and the core
+    sends the step it had in flight with the old "x" (a row it skipped): the new "x" gets nothing,
+    and its own first token lands on it."""
+    stops = []
+    frontend = Frontend(Tokenizer.from_dir(tiny[1]), [2], stops.append)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    frontend.add_request("x", [5, 6], params, 0.0, None)
+    first = frontend.apply(step(["x"], [11]))
+    old = frontend.book.requests["x"].children[0]
+    (delta,) = frontend.outputs(first)
+    assert delta.outputs[0].token_ids == [11] and not delta.finished
+    old_state = ChildState("x", RequestStatus.FINISHED_ABORTED.value, None, 1.0, 1.0, 2.0, 0, 0)
+    (final,) = frontend.outputs(frontend.apply(step([], [], aborted=[old_state])))
+    assert final.finished and final.outputs[0].finish_reason == "abort" and old.output_token_ids == [11]
+    frontend.add_request("x", [9, 9, 9], params, 3.0, None)
+    assert frontend.outputs(frontend.apply(step(["x"], [12], skipped=[0]))) == []  # the old x's row
+    new = frontend.book.requests["x"].children[0]
+    assert new is not old and new.output_token_ids == [] and old.output_token_ids == [11]
+    (delta,) = frontend.outputs(frontend.apply(step(["x"], [13])))
+    assert delta.outputs[0].token_ids == [13] and new.output_token_ids == [13] and stops == []
+
+
+def step(row_ids, token_ids, skipped=(), aborted=()):
+    progress = empty_progress({}, aborted=list(aborted))
+    progress.row_ids, progress.token_ids, progress.skipped = row_ids, token_ids, list(skipped)
+    return progress
 
 
 def test_a_rejected_request_raises_while_its_neighbour_is_served(in_process, tiny):
