@@ -46,3 +46,35 @@ def test_engine_outputs_carry_queue_time_ttft_e2e_and_generation_tokens(engine):
     final = streamed[-1].metrics
     assert (final.time_in_queue, final.first_token_latency, final.e2e_latency) == (1.0, 2.0, 3.0)
     assert final.num_generation_tokens == len(streamed[-1].outputs[0].token_ids) == 3
+
+
+def test_merged_outputs_count_one_inter_token_latency_per_step():
+    """An output that carries several steps' tokens (an engine-core process's front end that fell
+    behind merges them) still counts one ITL per decode step, as vLLM does, summing to the wait."""
+    from prometheus_client import CollectorRegistry
+
+    from cbjax.engine.config import EngineConfig
+    from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
+    from cbjax.outputs import CompletionOutput, RequestOutput
+
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(registry, "m", EngineConfig(model="unused", max_model_len=64, max_num_batched_tokens=64))
+
+    def output(num_tokens, finished=False):
+        metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
+                                 finished_time=None, num_preemptions=0, num_generation_tokens=num_tokens)
+        completion = CompletionOutput(0, "", list(range(num_tokens)), "length" if finished else None)
+        return RequestOutput("r", None, [1, 2], [completion], finished, metrics)
+
+    stats = {"num_running": 1, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 2, "num_preemptions": 0,
+             "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    logger.record_step([output(3)], stats, 1, now=12.0)  # tokens 1-3: the first at 11.0, two more steps by 12.0
+    logger.record_step([output(5, finished=True)], stats, 1, now=13.0)  # two more steps by 13.0
+
+    def sample(name):
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    assert sample("vllm:inter_token_latency_seconds_count") == 2 + 2
+    assert sample("vllm:inter_token_latency_seconds_sum") == pytest.approx((12.0 - 11.0) + (13.0 - 12.0))
+    assert sample("vllm:time_to_first_token_seconds_count") == 1
+    assert sample("vllm:generation_tokens_total") == 5

@@ -111,11 +111,18 @@ class PrometheusStatLogger:
         num_output_tokens = output.metrics.num_generation_tokens  # so far, whatever the output kind shows
         new_tokens = num_output_tokens - progress.num_output_tokens
         if new_tokens > 0:
+            # One inter-token latency per decode step, as vLLM counts them: an output may carry the
+            # tokens of several steps (an engine core in its own process merges a request's steps
+            # when its front end falls behind), each then observed as an equal share of the wait.
             if progress.num_output_tokens == 0:  # the prompt is computed: its first token is out
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.ttft.observe(now - output.metrics.arrival_time)
-            elif progress.last_token_time is not None:
-                self.itl.observe(now - progress.last_token_time)
+                since, steps = output.metrics.first_token_time, new_tokens - 1
+            else:
+                since, steps = progress.last_token_time, new_tokens
+            if since is not None and steps > 0:
+                for _ in range(steps):
+                    self.itl.observe(max(0.0, now - since) / steps)
             self.generation_tokens.inc(new_tokens)
             progress.num_output_tokens, progress.last_token_time = num_output_tokens, now
         if output.finished:
