@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cbjax.engine.config import EngineConfig
-from cbjax.engine.core import EngineCore, EngineDeadError, StatLogger
+from cbjax.engine.core import EngineCore, EngineDeadError, LoopQueueSink, StatLogger
 from cbjax.engine.engine import LLMEngine, Prompt
 from cbjax.engine.engine_process import EngineProcess, build_engine
 from cbjax.outputs import RequestOutput
@@ -73,9 +73,7 @@ class AsyncLLM:
         self.check_health()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.core.add_request(
-            request_id, prompt, sampling_params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)
-        )
+        self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs))
         # The engine shapes outputs by kind; a FINAL_ONLY request may still get one every step (the metrics read them).
         final_only = sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
         finished = False

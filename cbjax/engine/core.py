@@ -8,6 +8,8 @@ an abort from any thread safe: it lands between two steps, never inside one.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -22,6 +24,44 @@ from cbjax.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput | BaseException], None]
+
+
+class LoopQueueSink:
+    """A sink that puts each item on an asyncio queue in the queue's event loop (AsyncLLM's).
+
+    Called alone it schedules one put; `deliver_all` instead hands all of a step's items for one
+    loop over in a single call_soon_threadsafe (one wake-up of the loop per step, not per output).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def deliver_all(deliveries: Sequence[tuple[OutputSink, RequestOutput | BaseException]]) -> None:
+    """Hand each item to its sink: those bound for one event loop in one call there."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+    for sink, item in deliveries:
+        if isinstance(sink, LoopQueueSink):
+            by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        else:
+            deliver(sink, item)
+    for loop, items in by_loop.items():
+        deliver(functools.partial(loop.call_soon_threadsafe, _put_all), items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
+def deliver(sink: Callable[[Any], None], item: Any) -> None:
+    try:
+        sink(item)
+    except Exception:  # a caller that went away (e.g. its event loop closed) must not stop the engine
+        logger.debug("dropped an output: its receiver is gone", exc_info=True)
 
 
 class EngineDeadError(RuntimeError):
@@ -83,11 +123,11 @@ class EngineCore:
             self.error = error
             dead = EngineDeadError(f"the engine-core loop died: {error!r}")
             for sink in self.sinks.values():
-                self._deliver(sink, dead)
+                deliver(sink, dead)
             self.sinks.clear()
             while (command := self._next_command()) is not None:  # adds sent while it was dying
                 if command[0] == "add":
-                    self._deliver(command[4], dead)
+                    deliver(command[4], dead)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once shutdown was asked."""
@@ -116,7 +156,7 @@ class EngineCore:
         try:
             self.engine.add_request(request_id, prompt, params, arrival_time)
         except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
-            self._deliver(sink, error)
+            deliver(sink, error)
             return
         self.sinks[request_id] = sink
 
@@ -124,16 +164,12 @@ class EngineCore:
         outputs = self.engine.step()
         now = time.monotonic()
         self.stats = self.engine.get_stats()  # before delivery: a finished caller sees its blocks freed
+        deliveries = []
         for output in outputs:
             sink = self.sinks.pop(output.request_id, None) if output.finished else self.sinks.get(output.request_id)
             if sink is not None:
-                self._deliver(sink, output)
+                deliveries.append((sink, output))
+        deliver_all(deliveries)
         for stat_logger in self.stat_loggers:
             stat_logger.record_step(outputs, self.stats, self.engine.last_step_num_tokens, now)
 
-    @staticmethod
-    def _deliver(sink: OutputSink, item: RequestOutput | BaseException) -> None:
-        try:
-            sink(item)
-        except Exception:  # a caller that went away (e.g. its event loop closed) must not stop the core
-            logger.debug("dropped an output: its receiver is gone", exc_info=True)

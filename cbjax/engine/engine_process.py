@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from cbjax.engine.core import EngineDeadError, OutputSink, StatLogger
+from cbjax.engine.core import EngineDeadError, OutputSink, StatLogger, deliver, deliver_all
 from cbjax.engine.frontend import Frontend
 from cbjax.engine.progress import StepProgress, empty_progress
 from cbjax.engine.request_book import Prompt, tokenize_prompt
@@ -111,7 +111,7 @@ class EngineProcess:
                     self.frontend.add_request(request_id, token_ids, params, arrival_time, text)
                     self.sinks[request_id] = sink
             except (ValueError, TypeError, EngineDeadError) as error:
-                _deliver(sink, error)
+                deliver(sink, error)
                 continue
             adds.append((request_id, token_ids, params, arrival_time))
         if adds:
@@ -180,7 +180,7 @@ class EngineProcess:
                 self.error = error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error))
                 sinks, self.sinks = list(self.sinks.values()), {}
             for sink in sinks:
-                _deliver(sink, self.error)
+                deliver(sink, self.error)
             self._results.put(self.error)
             self._closed.set()
 
@@ -202,8 +202,7 @@ class EngineProcess:
                 sink = self.sinks.pop(output.request_id, None) if output.finished else self.sinks.get(output.request_id)
                 if sink is not None:
                     deliveries.append((sink, output))
-        for sink, item in deliveries:
-            _deliver(sink, item)
+        deliver_all(deliveries)
         now = time.monotonic()
         num_tokens = sum(step.num_step_tokens for step in steps)
         for stat_logger in self.stat_loggers:
@@ -213,13 +212,6 @@ class EngineProcess:
 def _is_dead(message: Any) -> bool:
     """The child's last word (a closed pipe reads as this too, again and again)."""
     return isinstance(message, tuple) and message[0] == "dead"
-
-
-def _deliver(sink: OutputSink, item: RequestOutput | BaseException) -> None:
-    try:
-        sink(item)
-    except Exception:  # a caller that went away (e.g. its event loop closed) must not stop the reader
-        logger.debug("dropped an output: its receiver is gone", exc_info=True)
 
 
 # ---- the child --------------------------------------------------------------------
