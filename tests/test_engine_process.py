@@ -178,6 +178,15 @@ def step(row_ids, token_ids, skipped=(), aborted=()):
     return progress
 
 
+def test_bad_options_raise_in_the_caller_as_in_one_process(tiny):
+    options = {**OPTIONS, "num_kv_blocks": 3}  # fewer blocks than one max_model_len request needs
+    with pytest.raises(ValueError) as in_one_process:
+        LLMEngine(EngineConfig(model=str(tiny[1]), **options), progress=False)
+    with pytest.raises(ValueError) as in_a_child:
+        AsyncLLM(str(tiny[1]), engine_process=True, progress=False, **options)
+    assert str(in_a_child.value) == str(in_one_process.value)
+
+
 def test_a_rejected_request_raises_while_its_neighbour_is_served(in_process, tiny):
     good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 

@@ -64,7 +64,13 @@ class EngineProcess:
         if not self.conn.poll(start_timeout):
             self.process.kill()
             raise EngineDeadError(f"the engine-core process did not start within {start_timeout} s")
-        ready = self._recv_or_dead()
+        try:
+            ready = self._recv_or_dead()
+        except Exception as error:  # (an exception the child sent that this process cannot unpickle)
+            ready = ("dead", f"the engine core failed to start: {error!r}")
+        if ready[0] == "failed":  # what LLMEngine raised there (bad options: a ValueError saying which)
+            self.process.join(10)
+            raise ready[1]
         if ready[0] != "ready":
             self.process.join(10)
             raise EngineDeadError(ready[1])
@@ -228,8 +234,13 @@ def run_engine_core(conn: Connection, build: Callable[..., Any], build_args: tup
         engine = build(*build_args)
         engine.send_progress()
     except BaseException as error:  # noqa: BLE001 (whatever stops the start is the parent's to report)
-        logger.exception("the engine core failed to start")
-        conn.send(("dead", f"the engine core failed to start: {error!r}"))
+        # Bad options say what to change; anything else leaves its traceback here too.
+        (logger.debug if isinstance(error, (ValueError, TypeError)) else logger.exception)(
+            "the engine core failed to start", exc_info=True)
+        try:
+            conn.send(("failed", error))  # raised again in the parent, as LLMEngine would raise it there
+        except Exception:  # noqa: BLE001 (an exception that cannot be pickled)
+            conn.send(("dead", f"the engine core failed to start: {error!r}"))
         return
     conn.send(("ready", engine.config, engine.model_config, engine.eos_token_ids, engine.get_stats()))
     freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
