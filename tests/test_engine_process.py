@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_engine import hf_greedy
@@ -185,6 +188,28 @@ def test_bad_options_raise_in_the_caller_as_in_one_process(tiny):
     with pytest.raises(ValueError) as in_a_child:
         AsyncLLM(str(tiny[1]), engine_process=True, progress=False, **options)
     assert str(in_a_child.value) == str(in_one_process.value)
+
+
+PARENT_BACKENDS = """
+import sys
+from jax._src import xla_bridge
+import cbjax.entrypoints.openai.server  # what cbjax serve imports
+from cbjax import AsyncLLM
+if __name__ == "__main__":
+    llm = AsyncLLM(sys.argv[1], engine_process=True, progress=False, **eval(sys.argv[2]))
+    print("backends:", sorted(xla_bridge._backends))
+    llm.shutdown(timeout=30)
+"""
+
+
+def test_the_parent_process_never_starts_a_jax_backend(tiny, tmp_path):
+    """On a GPU the first backend a process starts takes most of the GPU's memory: only the core may."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_BACKENDS)
+    done = subprocess.run([sys.executable, str(script), str(tiny[1]), repr(OPTIONS)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backends: []" in done.stdout
 
 
 def test_a_rejected_request_raises_while_its_neighbour_is_served(in_process, tiny):
