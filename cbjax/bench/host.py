@@ -90,11 +90,9 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
     while engine.has_unfinished_requests():
         finished += [output for output in engine.step() if output.finished]
     elapsed = time.perf_counter() - start
-    return measure(timeline.steps, finished, elapsed, num_running, finish) | {
-        "max_model_len": engine.config.max_model_len, "variant": variant, "output_kind": output_kind,
-        "num_running": num_running, "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
-        "engine_process": "off", "prompt_len": prompt_len, "output_len": output_len,
-    }
+    return measure(timeline.steps, finished, elapsed, num_running, finish) | setting_of(
+        engine.config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "off",
+        prompt_len, output_len)
 
 
 def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len: int, variant: str, delay_s: float,
@@ -116,11 +114,17 @@ def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len
         if item.finished:
             finished.append(item)
     elapsed = time.perf_counter() - start
-    return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | {
-        "max_model_len": core.engine_config.max_model_len, "variant": variant, "output_kind": output_kind,
-        "num_running": num_running, "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
-        "engine_process": "on", "prompt_len": prompt_len, "output_len": output_len,
-    }
+    return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | setting_of(
+        core.engine_config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "on",
+        prompt_len, output_len)
+
+
+def setting_of(max_model_len: int, variant: str, output_kind: str, num_running: int, finish: str, delay_s: float,
+               async_scheduling: str, engine_process: str, prompt_len: int, output_len: int) -> dict[str, Any]:
+    """A run's setting (SETTING's keys), and its request shape."""
+    return {"max_model_len": max_model_len, "variant": variant, "output_kind": output_kind, "num_running": num_running,
+            "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
+            "engine_process": engine_process, "prompt_len": prompt_len, "output_len": output_len}
 
 
 def _start_run(engine: Any, delay_s: float, async_scheduling: str, timeline: Any = None) -> None:

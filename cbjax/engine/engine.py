@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import collections
-import operator
 import logging
+import operator
 import time
 from typing import Any
 
@@ -238,11 +238,17 @@ class LLMEngine:
     def stop_request(self, child_id: str) -> None:
         """Finish one child request a stop string ended (the front end found it); like an abort it
         lands between steps, and a step in flight skips its row."""
-        parent = self.book.parents.get(child_id)
-        if parent is not None and self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED) is not None:
-            self.runner.release_request(child_id)
-            if parent.finished:
-                self.book.forget(parent)
+        if child_id in self.book.parents:
+            request = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED)
+            if request is not None:
+                self._forget_finished(request)
+
+    def _forget_finished(self, request: Request) -> None:
+        """An engine core's finished child: its slot freed, its parent forgotten once all its children are done."""
+        self.runner.release_request(request.request_id)
+        parent = self.book.parents[request.request_id]
+        if parent.finished:
+            self.book.forget(parent)
 
     def _overlaps(self) -> bool:
         """Whether this step reads the previous step's tokens (async scheduling) or its own.
@@ -292,12 +298,8 @@ class LLMEngine:
         rows = sampled.sampling_requests
         skipped = [row for row, request in enumerate(rows) if request.is_finished]  # update skips their tokens
         finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
-        parents = self.book.parents
         for request in finished_now:
-            self.runner.release_request(request.request_id)
-            parent = parents[request.request_id]
-            if parent.finished:
-                self.book.forget(parent)
+            self._forget_finished(request)
         # The same request objects as the step sent last (a decode over the same batch): the front
         # end keeps its mirrors of them (ids alone could name a new request reusing a finished one's id).
         previous = self._sent_rows

@@ -121,8 +121,9 @@ class PrometheusStatLogger:
             else:
                 since, steps = progress.last_token_time, new_tokens
             if since is not None and steps > 0:
+                share = max(0.0, now - since) / steps
                 for _ in range(steps):
-                    self.itl.observe(max(0.0, now - since) / steps)
+                    self.itl.observe(share)
             self.generation_tokens.inc(new_tokens)
             progress.num_output_tokens, progress.last_token_time = num_output_tokens, now
         if output.finished:
