@@ -146,17 +146,26 @@ def test_leaving_the_stream_early_aborts_the_request_and_frees_its_blocks(async_
     assert_idle(stats)
 
 
-def test_a_rejected_request_raises_while_its_neighbour_is_served(async_llm, tiny):
+def rejected_requests_raise_while_a_neighbour_is_served(llm, hf_dir) -> None:
+    """Bad input (a token outside the vocabulary, a request over max_model_len=128) raises in its
+    caller while a good request beside it gets transformers' greedy tokens. Shared with the
+    engine-process tests."""
     good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def run():
-        neighbour = asyncio.create_task(collect(async_llm, {"prompt_token_ids": PROMPT}, good, "neighbour"))
+        neighbour = asyncio.create_task(collect(llm, {"prompt_token_ids": PROMPT}, good, "neighbour"))
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            await collect(async_llm, {"prompt_token_ids": [1, 10_000]}, good, "bad")
+            await collect(llm, {"prompt_token_ids": [1, 10_000]}, good, "bad")
+        with pytest.raises(ValueError, match="max_model_len is 128"):
+            await collect(llm, {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=500), "too-long")
         return await neighbour
 
     (output,) = asyncio.run(run())
-    assert output.outputs[0].token_ids == hf_greedy(tiny[0], PROMPT, 6)
+    assert output.outputs[0].token_ids == hf_greedy(hf_dir, PROMPT, 6)
+
+
+def test_a_rejected_request_raises_while_its_neighbour_is_served(async_llm, tiny):
+    rejected_requests_raise_while_a_neighbour_is_served(async_llm, tiny[0])
 
 
 def test_a_request_sent_during_a_step_arrives_then_not_when_the_step_ends(async_llm, engine, monkeypatch):

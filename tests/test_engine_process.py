@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
 from test_engine import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -213,18 +214,7 @@ def test_the_parent_process_never_starts_a_jax_backend(tiny, tmp_path):
 
 
 def test_a_rejected_request_raises_while_its_neighbour_is_served(in_process, tiny):
-    good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def run():
-        neighbour = asyncio.create_task(collect(in_process, {"prompt_token_ids": PROMPT}, good, "neighbour"))
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            await collect(in_process, {"prompt_token_ids": [1, 10_000]}, good, "bad")
-        with pytest.raises(ValueError, match="max_model_len is 128"):
-            await collect(in_process, {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=500), "too-long")
-        return await neighbour
-
-    (output,) = asyncio.run(run())
-    assert output.outputs[0].token_ids == hf_greedy(tiny[0], PROMPT, 6)
+    rejected_requests_raise_while_a_neighbour_is_served(in_process, tiny[0])
     wait_idle(in_process)
 
 
