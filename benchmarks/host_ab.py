@@ -34,7 +34,7 @@ def run_bench(checkout: pathlib.Path, args: argparse.Namespace, extra: list[str]
             sys.executable, "-m", "cbjax.cli", "bench", "host", "--model", str(pathlib.Path(args.model).resolve()),
             "--num-running", *map(str, args.num_running), "--max-model-lens", *map(str, args.max_model_lens),
             "--delays-ms", *map(str, args.delays_ms), "--variants", *args.variants, "--async-scheduling", "on",
-            "--result-json", str(path), *extra,
+            "--engine-process", args.engine_process, "--repeats", str(args.repeats), "--result-json", str(path), *extra,
         ]
         env = os.environ | {"PYTHONPATH": str(checkout)}
         subprocess.run(command, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -54,6 +54,9 @@ def main() -> None:
     p.add_argument("--output-kinds", nargs="+", default=["final_only", "delta", "cumulative"], help="the new side's")
     p.add_argument("--same-output-kinds", action="store_true",
                    help="the old checkout has --output-kinds too: run it with the same ones and compare kind with kind")
+    p.add_argument("--engine-process", choices=["off", "on"], default="off",
+                   help="on: both sides time the engine core in its own process (its CPU per step)")
+    p.add_argument("--repeats", type=int, default=1, help="repeats per side per round (cbjax bench host --repeats)")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     sides = {"old": (pathlib.Path(args.old).resolve(), []),

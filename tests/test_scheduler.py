@@ -51,6 +51,34 @@ def step(scheduler: Scheduler, token_id: int = 7) -> tuple[SchedulerOutput, list
 # ---- hand-worked steps ------------------------------------------------------------------
 
 
+def test_allocated_names_the_requests_that_got_blocks_in_that_schedule():
+    # Blocks of 4: "a" (3 prompt tokens) and "b" (2) get one block each when admitted; "a"'s decode
+    # at position 3 still fits it, its next at position 4 needs a second block; "b" reaches position
+    # 4 two steps later.
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", 3))
+    scheduler.add_request(make_request("b", 2))
+    allocated = []
+    for _ in range(4):
+        output, _ = step(scheduler)
+        allocated.append([request.request_id for request in output.allocated])
+        for request in output.allocated:  # every other scheduled request kept its blocks
+            assert len(request.block_ids) * 4 >= request.num_computed_tokens
+    assert allocated == [["a", "b"], [], ["a"], ["b"]]
+
+
+def test_update_reports_the_rows_it_skipped():
+    # "b" is aborted after its step was scheduled: update drops its token and names it.
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 3))
+    scheduler.add_request(make_request("b", 3))
+    output = scheduler.schedule()
+    scheduler.abort_request("b")
+    skipped = []
+    scheduler.update(output, [7, 7], skipped)
+    assert [request.request_id for request in skipped] == ["b"]
+    assert scheduler.requests["a"].output_token_ids == [7]
+
 def test_token_budget_is_split_between_decodes_and_a_chunked_prefill():
     scheduler = make_scheduler(max_num_batched_tokens=16)
     scheduler.add_request(make_request("a", 3))

@@ -296,8 +296,9 @@ class LLMEngine:
             return empty_progress(self.get_stats(), aborted=aborted_children)
         sampled, prompt_logprobs = self.runner.collect(launched)
         rows = sampled.sampling_requests
-        skipped = [row for row, request in enumerate(rows) if request.is_finished]  # update skips their tokens
-        finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids)
+        skipped_requests: list[Request] = []  # finished since the step was launched: update skips their tokens
+        finished_now = self.scheduler.update(launched.scheduled, sampled.token_ids, skipped_requests)
+        skipped = [row for row, request in enumerate(rows) if request in skipped_requests] if skipped_requests else []
         for request in finished_now:
             self._forget_finished(request)
         # The same request objects as the step sent last (a decode over the same batch): the front

@@ -5,7 +5,8 @@ position further on, less those that finished (continuous batching). vLLM keeps 
 persistent per-row arrays (its InputBatch) and rewrites only what changed; here each row's
 columns are gathered from its request's row in the previous step's host inputs with whole-column
 numpy operations, moved on by one position, and the rows keep their request slots: only the rows
-that gained a block send its entry for the device's block table (block_table.py). The runner's
+that gained a block in this step's schedule (`SchedulerOutput.allocated`) send its entry for the
+device's block table (block_table.py). The runner's
 row-by-row `prepare` builds every other step (and this one's first), and the two must agree:
 tests/test_persistent_batch.py checks that they do.
 
@@ -17,7 +18,6 @@ the step computes the same thing.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +30,6 @@ from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
 
 
-_BLOCK_IDS = operator.attrgetter("block_ids")
-
 
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
@@ -41,7 +39,6 @@ class PreparedStep:
     requests: tuple[Request, ...]  # its rows' requests, in row order
     sampling_requests: tuple[Request, ...]  # those of its rows that sample, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
-    block_counts: Int[np.ndarray, "rows"]  # how many blocks each row's block table holds
     inputs: Any  # its runner.StepInputs (host numpy arrays, never written after they were packed)
     # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
     # after it, over the same rows, differs only by one position.
@@ -49,9 +46,9 @@ class PreparedStep:
 
 
 def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any, starts: Int[np.ndarray, "rows"],
-                  block_counts: Int[np.ndarray, "rows"], sampling_requests: list[Request]) -> PreparedStep:
-    """Record a step the runner prepared row by row (its rows' starts and block counts, and the
-    requests of its sampling rows)."""
+                  sampling_requests: list[Request]) -> PreparedStep:
+    """Record a step the runner prepared row by row (its rows' starts, the requests of its sampling
+    rows); it synced every row's blocks into the block table."""
     rows = scheduled.scheduled
     followable = (
         scheduled.is_decode_only
@@ -59,16 +56,18 @@ def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any, start
         and not (inputs.sampling.suppress_token_ids[: len(rows)] >= 0).any()
     )
     requests = tuple(row.request for row in rows)
-    return PreparedStep(bucket, requests, requests if followable else tuple(sampling_requests), starts, block_counts,
+    return PreparedStep(bucket, requests, requests if followable else tuple(sampling_requests), starts,
                         inputs, followable)
 
 
 def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOutput, table: BlockTable,
-           block_size: int, fresh_inputs: Callable[[Bucket], Any]) -> tuple[Any, PreparedStep] | None:
+           block_size: int, fresh_inputs: Callable[[Bucket], Any],
+           slot_of: Callable[[str], int]) -> tuple[Any, PreparedStep] | None:
     """This step's inputs gathered from `previous`'s, if it is a decode step over some of the same
     rows in the same order (those that finished since have left), each one position further on;
-    else None (prepare it row by row). `fresh_inputs(bucket)` gives a bucket's zeroed buffers; the
-    new blocks' entries are taken from `table`'s queue (the device's block table: block_table.py)."""
+    else None (prepare it row by row). `fresh_inputs(bucket)` gives a bucket's zeroed buffers;
+    `slot_of(request_id)` a running request's slot. The new blocks' entries are taken from `table`'s
+    queue (the device's block table: block_table.py)."""
     rows = scheduled.scheduled
     if previous is None or not previous.followable or scheduled.preempted_request_ids or not scheduled.is_decode_only:
         return None
@@ -105,9 +104,10 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
             getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]
         new.attention.table_slots[:num_rows] = old.attention.table_slots[source]
     attn, row_slots = new.attention, new.attention.table_slots[:num_rows]  # the same requests hold the same slots
-    block_counts = np.fromiter(map(len, map(_BLOCK_IDS, requests)), np.int32, num_rows)
-    for i in np.flatnonzero(block_counts != previous.block_counts[source]).tolist():  # a new block every block_size tokens: a few rows a step
-        table.sync(int(row_slots[i]), requests[i].block_ids)
+    # The previous step synced every row's blocks; since then only this step's schedule gave any
+    # (a new block every block_size tokens: a few rows a step).
+    for request in scheduled.allocated:
+        table.sync(slot_of(request.request_id), request.block_ids)
     table.take_writes(attn.table_writes)
     # One position further on, each row's token taken on the device from what its request's row sampled.
     new.token_ids[:num_rows] = 0
@@ -119,7 +119,7 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
     attn.query_start_loc[: num_rows + 1] = np.arange(num_rows + 1)
     attn.query_start_loc[num_rows + 1 :] = num_rows
     attn.slot_mapping[:num_rows] = slots(table.mirror, row_slots, starts, block_size)
-    return new, PreparedStep(bucket, requests, requests, starts, block_counts, new, True)
+    return new, PreparedStep(bucket, requests, requests, starts, new, True)
 
 
 def slots(block_tables: Int[np.ndarray, "slots width"], table_slots: Int[np.ndarray, "tokens"],

@@ -565,7 +565,7 @@ class ModelRunner:
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         previous = self._prepared
-        followed = (follow(previous, bucket, scheduled, self.table, self.block_size, self._host_inputs)
+        followed = (follow(previous, bucket, scheduled, self.table, self.block_size, self._host_inputs, self.slots.slot)
                     if self.follow_decode_steps else None)
         if followed is not None:
             inputs, self._prepared = followed
@@ -582,7 +582,7 @@ class ModelRunner:
         token_ids: list[int] = []
         placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
         row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
-        block_counts, logprob_targets = [0] * num_rows, []
+        logprob_targets = []
         sampling_rows, constants, counters, suppressed = [], [], [], {}  # per sampling row
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
@@ -591,7 +591,6 @@ class ModelRunner:
             request_id = request.request_id
             row_slots[i] = slot = self.slots.slot(request_id)
             self.table.sync(slot, request.block_ids)
-            block_counts[i] = len(request.block_ids)
             known = request.all_token_ids[start : start + n]
             token_ids += known
             if len(known) < n:  # the token the previous step samples: taken from its output on the device
@@ -634,7 +633,7 @@ class ModelRunner:
         attn.query_start_loc[num_rows + 1 :] = num_tokens
         samples = np.fromiter((row.samples for row in rows), bool, num_rows)
         inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
-        self._prepared = prepared_step(bucket, scheduled, inputs, starts, np.array(block_counts, np.int32), sampling_rows)
+        self._prepared = prepared_step(bucket, scheduled, inputs, starts, sampling_rows)
         return bucket, inputs
 
     def release_request(self, request_id: str) -> None:

@@ -27,7 +27,7 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cbjax.engine.block_manager import BlockManager
@@ -57,6 +57,9 @@ _scheduled_request = functools.partial(tuple.__new__, ScheduledRequest)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_request_ids: list[str]
+    # The scheduled requests that got blocks in this schedule (the others' block_ids did not change):
+    # what a step that follows the previous one sends of the block tables (persistent_batch.py).
+    allocated: list[Request] = field(default_factory=list)
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> int:
@@ -189,6 +192,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        allocated: list[Request] = []
 
         num_prefills = 0  # scheduled requests computing more than one token
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
@@ -223,8 +227,11 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                advance = self._allocate if needs_blocks else self._advance
-                scheduled.append(advance(request, num_new_tokens))
+                if needs_blocks:
+                    scheduled.append(self._allocate(request, num_new_tokens))
+                    allocated.append(request)
+                else:
+                    scheduled.append(self._advance(request, num_new_tokens))
                 token_budget -= num_new_tokens
                 if num_new_tokens > 1:
                     num_prefills += 1
@@ -250,20 +257,24 @@ class Scheduler:
                 request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
             scheduled.append(self._allocate(request, num_new_tokens, computed_blocks))
+            allocated.append(request)
             token_budget -= num_new_tokens
             if num_new_tokens > 1:
                 num_prefills += 1
                 prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
 
-        return SchedulerOutput(scheduled, [request.request_id for request in preempted])
+        return SchedulerOutput(scheduled, [request.request_id for request in preempted], allocated)
 
-    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int],
+               skipped: list[Request] | None = None) -> list[Request]:
         """Record the step's sampled tokens (one per scheduled request that samples, in their order)
         and cache the blocks it filled; return the requests that finished, in that order. A request
         finished since the step was scheduled (an abort, or a stop found in the step before) is
-        skipped: what the step computed for it is discarded."""
+        skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given)."""
         finished = []
         block_manager = self.block_manager
+        # BlockManager.has_blocks_to_cache, inlined below: asked of every row every step.
+        caching, block_size = block_manager.enable_caching, block_manager.block_size
         rows = scheduler_output.scheduled
         if len(sampled_token_ids) < len(rows):  # (where every row samples, as in most steps, the column is per row)
             sampled = iter(sampled_token_ids)
@@ -271,6 +282,8 @@ class Scheduler:
         for (request, _, _, samples), token_id in zip(rows, sampled_token_ids):
             status = request.status
             if status is not _RUNNING and status.is_finished:  # (else running, or preempted since it was scheduled)
+                if skipped is not None:
+                    skipped.append(request)
                 continue
             if samples:
                 request.num_output_placeholders -= 1
@@ -279,7 +292,7 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
             # (a request preempted since holds no blocks)
-            if status is _RUNNING and block_manager.has_blocks_to_cache(request):
+            if status is _RUNNING and caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * block_size:
                 block_manager.cache_full_blocks(request)
             # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
             if samples and (len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids):
