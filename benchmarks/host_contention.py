@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, host_params
+from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, host_params, measure
 
 
 def core_runs(model: str, runs: int, num_running: int = 256) -> list[float]:
@@ -35,9 +35,8 @@ def core_runs(model: str, runs: int, num_running: int = 256) -> list[float]:
             engine.add_request(f"r{run}-{i}", {"prompt_token_ids": passage[: args.prompt_len]}, params, None)
         while engine.has_unfinished_requests():
             engine.step()
-        steps = timeline.steps
-        full = [i for i in range(len(steps) - 1) if steps[i].kind == "decode" and steps[i].num_sampling_rows == num_running]
-        medians.append(statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3)
+        # (no outputs are made here: measure's token counts stay 0)
+        medians.append(measure(timeline.steps, [], 0.0, num_running, "together")["wall_ms_per_step"])
     return medians
 
 

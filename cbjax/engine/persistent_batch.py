@@ -30,7 +30,6 @@ from cbjax.engine.request import Request
 from cbjax.engine.scheduler import SchedulerOutput
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
     """What a prepared step leaves for the next one to follow."""

@@ -273,8 +273,6 @@ class Scheduler:
         skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given)."""
         finished = []
         block_manager = self.block_manager
-        # BlockManager.has_blocks_to_cache, inlined below: asked of every row every step.
-        caching, block_size = block_manager.enable_caching, block_manager.block_size
         rows = scheduler_output.scheduled
         if len(sampled_token_ids) < len(rows):  # (where every row samples, as in most steps, the column is per row)
             sampled = iter(sampled_token_ids)
@@ -292,7 +290,7 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
             # (a request preempted since holds no blocks)
-            if status is _RUNNING and caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * block_size:
+            if status is _RUNNING and block_manager.has_blocks_to_cache(request):
                 block_manager.cache_full_blocks(request)
             # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
             if samples and (len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids):
