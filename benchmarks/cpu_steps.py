@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
-from cbjax.models.llama import init_kv_caches
+from cbjax.models.llama import init_kv_pool
 from kernels_cpu import ragged_paged_attention_cpu
 from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import (
@@ -112,7 +112,7 @@ def decode_step_variants(model_dir: str, batches: list[int], context: int) -> di
                 seq_lens=jnp.full((num_reqs,), context + 1, jnp.int32),
                 block_tables=jnp.asarray(block_tables),
             )
-            box = {"kv": init_kv_caches(config, num_reqs * per_req + 1, BLOCK, jnp.float32)}
+            box = {"kv": init_kv_pool(config, num_reqs * per_req + 1, BLOCK, jnp.float32)}
             tokens = jnp.arange(num_reqs, dtype=jnp.int32)
             positions = jnp.full((num_reqs,), context, jnp.int32)
 

@@ -40,7 +40,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, weights in weight_sets.items():
                 start = time.perf_counter()
-                runner.kv_caches, runner.penalty_state, out = step(weights, runner.kv_caches, runner.penalty_state, packed)
+                runner.kv_pool, runner.penalty_state, out = step(weights, runner.kv_pool, runner.penalty_state, packed)
                 out.block_until_ready()
                 times[name].append(time.perf_counter() - start)
         medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}

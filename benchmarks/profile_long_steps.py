@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
-from cbjax.models.llama import init_kv_caches
+from cbjax.models.llama import init_kv_pool
 from kernels_pallas.backend import AttentionPlan
 from kernels_pallas.reference import AttentionMetadata
 
@@ -112,13 +112,13 @@ def main() -> None:
         plan = AttentionPlan("cpp", decode_only, 8)
 
         @jax.jit
-        def step(weights, kv_caches):
+        def step(weights, kv_pool):
             m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, weights))
-            hidden, kv_caches = m.hidden_states(token_ids, positions, kv_caches, metadata, plan)
-            return m.compute_logits(hidden[logits_rows]), kv_caches
+            hidden, kv_pool = m.hidden_states(token_ids, positions, kv_pool, metadata, plan)
+            return m.compute_logits(hidden[logits_rows]), kv_pool
 
-        kv_caches = init_kv_caches(config, num_blocks, BLOCK, jnp.float16)
-        run = lambda: step(weights, kv_caches)[0]  # noqa: E731 - the pool is not donated: every call sees the same one
+        kv_pool = init_kv_pool(config, num_blocks, BLOCK, jnp.float16)
+        run = lambda: step(weights, kv_pool)[0]  # noqa: E731 - the pool is not donated: every call sees the same one
         jax.block_until_ready(run())
         times = []
         for _ in range(args.repeats):
@@ -128,7 +128,7 @@ def main() -> None:
         by_kind = profile(run, case)
         results[case] = {"step_ms_median": float(np.median(times)), "profiled_ms_by_op_kind": by_kind}
         print(f"{case}: step {np.median(times):.1f} ms; " + ", ".join(f"{k} {v:.1f}" for k, v in list(by_kind.items())[:8]))
-        del kv_caches
+        del kv_pool
     if args.result_json:
         pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.result_json).write_text(json.dumps(results, indent=2))

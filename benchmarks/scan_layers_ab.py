@@ -56,7 +56,7 @@ def build(dtype: str, num_blocks: int):
     from flax import nnx
 
     from cbjax.checkpoint.loader import load_model
-    from cbjax.models.llama import init_kv_caches
+    from cbjax.models.llama import init_kv_pool
     from kernels_pallas.backend import AttentionPlan
     from kernels_pallas.reference import AttentionMetadata
 
@@ -64,7 +64,7 @@ def build(dtype: str, num_blocks: int):
     graphdef, state = nnx.split(model)
     layer_graphdef, _ = nnx.split(model.model.layers[0])
     stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *[nnx.split(layer)[1] for layer in model.model.layers])
-    caches = init_kv_caches(config, num_blocks, BLOCK_SIZE, jnp.float32)
+    caches = init_kv_pool(config, num_blocks, BLOCK_SIZE, jnp.float32)
     pool = (jnp.stack([k for k, _ in caches]), jnp.stack([v for _, v in caches]))
     plan = AttentionPlan("cpp", False)
 

@@ -39,11 +39,11 @@ def main() -> None:
     bucket = max(runner.buckets, key=lambda b: b.num_reqs)
     step = runner.compiled[bucket]
     packed = np.zeros(runner.packed_size(bucket), np.int32)
-    state = step(runner.weights, runner.kv_caches, runner.penalty_state, runner.last_sampled, runner.block_table, packed)[:4]
+    state = step(runner.weights, runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table, packed)[:4]
     compiled = step._compiled  # the jitted stand-in: donated state in, the same state out
     result = {
         "num_weight_arrays": len(jax.tree_util.tree_leaves(runner.weights)),
-        "num_kv_arrays": len(jax.tree_util.tree_leaves(runner.kv_caches)),
+        "num_kv_arrays": len(jax.tree_util.tree_leaves(runner.kv_pool)),
         "step_call_us": per_call_us(lambda s: compiled(runner.weights, *s, packed)[:4], state, args.calls),
     }
     for n in (4, 64, 340):

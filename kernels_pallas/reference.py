@@ -1,12 +1,16 @@
 """Plain-jnp references of every attention kernel, and the contract they share.
 
-KV pool layout (one pair of arrays per layer):
+KV pool layout (what a kernel sees):
 
     k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_dim]
 
 Block 0 is the null block: padded block-table entries point at it and padded
 tokens write into it, so its contents are garbage and are never read unmasked.
-A token's *slot* is `block_id * block_size + offset_in_block`.
+A token's *slot* is `block_id * block_size + offset_in_block`. A model keeps
+every layer's pages in one such pair, layer l's blocks after those of the layers
+before it; `AttentionMetadata.in_layer` moves a step's block ids and slots to a
+layer's blocks, so the kernels never know which layer they serve (layer l's
+null block is its first, and padding still only touches null blocks).
 
 One step's tokens form a flat ragged batch of T tokens (T is a bucket size).
 Requests occupy rows 0..R-1 of the metadata (R is a bucket size too); the
@@ -39,6 +43,14 @@ class AttentionMetadata:
     query_start_loc: Int[Array, "reqs_plus_1"]  # cumulative q lengths; padded rows repeat the total
     seq_lens: Int[Array, "reqs"]  # KV length after this step (cached + new); 0 for padded rows
     block_tables: Int[Array, "reqs max_blocks"]  # block ids per request; padded with 0 (null block)
+
+    def in_layer(self, first_block: int, block_size: int) -> AttentionMetadata:
+        """The same step in a pool whose blocks start at `first_block` (one layer's of all layers' pool)."""
+        if first_block == 0:
+            return self
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping + first_block * block_size, block_tables=self.block_tables + first_block
+        )
 
 
 def write_kv(

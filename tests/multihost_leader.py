@@ -37,7 +37,7 @@ def main() -> None:
     repeated = llm.generate([{"prompt_token_ids": prompts()[0]}] * 4,
                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     del runner.write_table
-    k_pages = runner.kv_caches[0][0]
+    k_pages = runner.kv_pool[0]  # every layer's K
     print("RESULT " + json.dumps({
         "token_ids": [o.outputs[0].token_ids for o in outputs],
         "repeated_token_ids": [o.outputs[0].token_ids for o in repeated],

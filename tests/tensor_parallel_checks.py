@@ -90,7 +90,7 @@ def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_ba
     )
     seeded = seeded_token_ids(llm)
     compiles.armed = False
-    k_pages = runner.kv_caches[0][0]  # read after serving: each step donates the pool and replaces it
+    k_pages = runner.kv_pool[0]  # every layer's K, read after serving: each step donates the pool and replaces it
     stats = llm.get_stats()
     return {
         "token_ids": [o.outputs[0].token_ids for o in outs],

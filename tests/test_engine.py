@@ -117,7 +117,7 @@ def test_whole_prompt_prefill_without_chunking(tiny, expected):
 def test_float16_kv_cache_serves_with_half_the_pool_bytes(tiny, expected):
     prompts, want = expected
     half = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(kv_cache_dtype="float16")))
-    assert all(k.dtype == np.float16 for k, _ in half.llm_engine.runner.kv_caches)
+    assert all(pages.dtype == np.float16 for pages in half.llm_engine.runner.kv_pool)
     outs = half.generate(token_prompts(prompts[:3]), GREEDY, use_tqdm=False)
     # Rounding K/V to float16 may flip a near-tie late in a random tiny model, not the first tokens.
     assert [o.outputs[0].token_ids[:3] for o in outs] == [w[:3] for w in want[:3]]

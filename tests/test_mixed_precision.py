@@ -10,7 +10,7 @@ from flax import nnx
 from helpers_hf import hf_logits, make_tiny_hf_model
 
 from cbjax.checkpoint import convert_checkpoint, load_model
-from cbjax.models import init_kv_caches
+from cbjax.models import init_kv_pool
 from kernels_pallas import AttentionMetadata
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 8
@@ -27,7 +27,7 @@ def prompt_logits(model, config, token_ids: list[int], kv_dtype=None) -> np.ndar
         seq_lens=jnp.array([n], jnp.int32),
         block_tables=jnp.asarray(np.pad(blocks, (0, NUM_BLOCKS - 1 - len(blocks)))[None]),
     )
-    kv = init_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype or model.activation_dtype)
+    kv = init_kv_pool(config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype or model.activation_dtype)
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, kv: nnx.merge(graphdef, s)(jnp.asarray(token_ids), jnp.asarray(positions), kv, metadata, jnp.arange(n)))
     logits, _ = step(state, kv)

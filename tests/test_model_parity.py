@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from cbjax.checkpoint import convert_checkpoint, load_model
-from cbjax.models import init_kv_caches
+from cbjax.models import init_kv_pool
 from helpers_hf import hf_logits, make_tiny_hf_model
 from kernels_pallas import AttentionMetadata
 from kernels_pallas.backend import AttentionPlan
@@ -46,7 +46,7 @@ CASES = {
 class Loaded:
     hf_dir: object
     config: object
-    mixed_step: object  # (kv_caches, token_ids, positions, metadata, logits_indices) -> (logits, kv_caches)
+    mixed_step: object  # (kv_pool, token_ids, positions, metadata, logits_indices) -> (logits, kv_pool)
     decode_step: object
 
 
@@ -70,9 +70,9 @@ def loaded(request, tmp_path_factory) -> Loaded:
     assert bool(packed) == (layout == "packed")
     backend = "cpp" if layout == "packed" else "xla"
 
-    def step(decode_only, kv_caches, token_ids, positions, metadata, logits_indices):
+    def step(decode_only, kv_pool, token_ids, positions, metadata, logits_indices):
         return nnx.merge(graphdef, state)(
-            token_ids, positions, kv_caches, metadata, logits_indices, AttentionPlan(backend, decode_only=decode_only)
+            token_ids, positions, kv_pool, metadata, logits_indices, AttentionPlan(backend, decode_only=decode_only)
         )
 
     return Loaded(
@@ -116,20 +116,19 @@ def pack(chunks: list[tuple[Seq, int]], num_tokens: int):
 
 
 def nan_pools(config):
-    return [(jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan))
-            for k, v in init_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)]
+    return tuple(jnp.full_like(pages, jnp.nan) for pages in init_kv_pool(config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32))
 
 
 def random_tokens(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
     return rng.integers(0, vocab_size, n).tolist()
 
 
-def prefill(loaded: Loaded, seqs: list[Seq], kv_caches):
+def prefill(loaded: Loaded, seqs: list[Seq], kv_pool):
     """One mixed step over the whole of each seq; returns each seq's logits at every position."""
     token_ids, positions, metadata, starts = pack([(seq, len(seq.token_ids)) for seq in seqs], NUM_TOKENS)
-    logits, kv_caches = loaded.mixed_step(kv_caches, token_ids, positions, metadata, jnp.arange(NUM_TOKENS))
+    logits, kv_pool = loaded.mixed_step(kv_pool, token_ids, positions, metadata, jnp.arange(NUM_TOKENS))
     assert np.isfinite(np.asarray(logits[: starts[-1]])).all()
-    return [np.asarray(logits[starts[i]: starts[i + 1]]) for i in range(len(seqs))], kv_caches
+    return [np.asarray(logits[starts[i]: starts[i + 1]]) for i in range(len(seqs))], kv_pool
 
 
 def test_single_prompt_logits_match_hf_at_every_position(loaded):
@@ -156,13 +155,13 @@ def test_decode_steps_after_prefill_read_kv_back_from_pool(loaded):
     vocab = loaded.config.vocab_size
     seqs = [Seq(random_tokens(rng, vocab, 6), blocks=[9, 4, 17]), Seq(random_tokens(rng, vocab, 3), blocks=[21, 6])]
     continuations = [random_tokens(rng, vocab, 5) for _ in seqs]
-    _, kv_caches = prefill(loaded, seqs, nan_pools(loaded.config))
+    _, kv_pool = prefill(loaded, seqs, nan_pools(loaded.config))
     decoded = [[] for _ in seqs]
     for step in range(5):
         for seq, continuation in zip(seqs, continuations):
             seq.token_ids.append(continuation[step])
         token_ids, positions, metadata, _ = pack([(seq, 1) for seq in seqs], NUM_REQS)
-        logits, kv_caches = loaded.decode_step(kv_caches, token_ids, positions, metadata, jnp.arange(len(seqs)))
+        logits, kv_pool = loaded.decode_step(kv_pool, token_ids, positions, metadata, jnp.arange(len(seqs)))
         for i in range(len(seqs)):
             decoded[i].append(np.asarray(logits[i]))
     for seq, logits in zip(seqs, decoded):

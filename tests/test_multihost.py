@@ -137,8 +137,8 @@ def test_two_processes_tp4_greedy_equals_transformers(run):
 
 def test_pool_spans_both_processes_devices(run):
     # 4 KV heads after repetition (2 heads x 2), one per device; process 0 holds two of the four.
-    assert run["pool_shape"] == [4, 20, 8, 16]
-    assert run["pool_local_shard_shapes"] == [[1, 20, 8, 16]]
+    assert run["pool_shape"] == [4, 2 * 20, 8, 16]  # 2 layers' 20 blocks each, in one K array
+    assert run["pool_local_shard_shapes"] == [[1, 2 * 20, 8, 16]]
     assert sorted({d.split(":")[0] for d in run["pool_devices"]}) == ["0", "1"] and len(run["pool_devices"]) == 4
 
 

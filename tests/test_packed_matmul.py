@@ -130,10 +130,10 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
     """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
     from kernels_pallas import AttentionMetadata
-    from cbjax.models import init_kv_caches
+    from cbjax.models import init_kv_pool
 
     n = len(token_ids)
-    caches = init_kv_caches(model.config, 4, 16, jnp.float32)
+    caches = init_kv_pool(model.config, 4, 16, jnp.float32)
     metadata = AttentionMetadata(
         slot_mapping=jnp.arange(16, 16 + n, dtype=jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
         seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.array([[1, 2]], jnp.int32),

@@ -38,14 +38,13 @@ def uncached(checkpoint):
 
 
 def poison_unused_blocks(engine) -> None:
-    """NaN into every block no request holds and no cache entry names."""
-    manager = engine.block_manager
+    """NaN into every block no request holds and no cache entry names, in every layer's pages."""
+    manager, runner = engine.block_manager, engine.runner
     unused = [block for block in manager.free_block_ids if manager.block_hashes[block] is None]
     if unused:
-        index = jnp.asarray(unused)
-        engine.runner.kv_caches = [
-            (k.at[:, index].set(jnp.nan), v.at[:, index].set(jnp.nan)) for k, v in engine.runner.kv_caches
-        ]
+        num_layers = runner.kv_pool[0].shape[1] // runner.num_blocks  # layer l's block b: page l * num_blocks + b
+        pages = jnp.asarray([layer * runner.num_blocks + block for layer in range(num_layers) for block in unused])
+        runner.kv_pool = tuple(p.at[:, pages].set(jnp.nan) for p in runner.kv_pool)
 
 
 def drain(engine, arrivals: dict[int, list], aborts: dict[int, list[str]]) -> dict[str, list[int]]:

@@ -100,8 +100,9 @@ def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_head
     per_device_block = 2 * 2 * 1 * 8 * head_dim * 4
     budget = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}[arch]  # kv_cache_memory_bytes, per device
     assert run["num_blocks"] == budget // per_device_block == 20
-    assert run["pool"]["shape"] == [pool_heads, run["num_blocks"], 8, head_dim]
-    assert run["pool"]["shard_shapes"] == [[1, run["num_blocks"], 8, head_dim]]
+    # One K array for both layers: each layer's num_blocks pages, one after the other.
+    assert run["pool"]["shape"] == [pool_heads, 2 * run["num_blocks"], 8, head_dim]
+    assert run["pool"]["shard_shapes"] == [[1, 2 * run["num_blocks"], 8, head_dim]]
 
 
 def test_orbax_restores_straight_into_shardings(findings):

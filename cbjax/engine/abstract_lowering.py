@@ -47,12 +47,12 @@ class AbstractModelRunner(ModelRunner):
         weights, treedef = jax.tree_util.tree_flatten(state)
         pool_sharding = None if tensor_parallel is None else tensor_parallel.pool_sharding
         replicated = None if tensor_parallel is None else tensor_parallel.replicated
-        kv_caches = _placed(jax.eval_shape(init_pool), pool_sharding)
+        kv_pool = _placed(jax.eval_shape(init_pool), pool_sharding)
         penalty_state = _placed(
             jax.eval_shape(functools.partial(init_penalty_state, self.config.max_num_seqs, self.model_config.vocab_size)),
             replicated,
         )
-        return weights, treedef, kv_caches, penalty_state
+        return weights, treedef, kv_pool, penalty_state
 
     def _replicated_zeros(self, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
         return _placed(jax.ShapeDtypeStruct(shape, jnp.int32), None if self.tensor_parallel is None else self.tensor_parallel.replicated)

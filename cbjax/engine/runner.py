@@ -40,7 +40,7 @@ from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import init_kv_caches
+from cbjax.models.llama import init_kv_pool
 from kernels_cpu import kernel_problem, kernel_registered, registration_deferred
 from kernels_pallas.backend import AttentionPlan, cpu_kernel_fallback
 from kernels_pallas.lowering import lowering_target
@@ -168,9 +168,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.graphdef, state = nnx.split(model)
         init_pool = functools.partial(
-            init_kv_caches, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
+            init_kv_pool, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
         )
-        self.weights, self._state_treedef, self.kv_caches, self.penalty_state = self._device_state(state, init_pool)
+        self.weights, self._state_treedef, self.kv_pool, self.penalty_state = self._device_state(state, init_pool)
         self.slots = RequestSlots(config.max_num_seqs)  # each running request's row in the table and penalty state
         self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         self.block_table = self._replicated_zeros(self.table.mirror.shape)  # the device's table (block_table.py)
@@ -213,11 +213,11 @@ class ModelRunner:
         # about 4 ms of dispatch per step.
         weights, treedef = jax.tree_util.tree_flatten(state)
         # Under TP each device allocates only its own KV heads.
-        kv_caches = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
+        kv_pool = init_pool() if tensor_parallel is None else jax.jit(init_pool, out_shardings=tensor_parallel.pool_sharding)()
         penalty_state = init_penalty_state(self.config.max_num_seqs, self.model_config.vocab_size)
         if tensor_parallel is not None:  # the sampler reads whole vocabulary rows on every device
             penalty_state = jax.device_put(penalty_state, tensor_parallel.replicated)
-        return weights, treedef, kv_caches, penalty_state
+        return weights, treedef, kv_pool, penalty_state
 
     def _replicated_zeros(self, shape: tuple[int, ...]) -> jax.Array:
         """An int32 device buffer of the runner's own state (whole on every device under TP)."""
@@ -267,7 +267,7 @@ class ModelRunner:
         state_treedef = self._state_treedef
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(weights, kv_caches, penalty_state, last_sampled, block_table, packed):
+        def step(weights, kv_pool, penalty_state, last_sampled, block_table, packed):
             inputs: StepInputs = unpack(packed, layout)
             token_ids = jnp.where(
                 inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
@@ -279,10 +279,10 @@ class ModelRunner:
                 gather_rows(block_table, attn.table_slots, attn.seq_lens, self.block_size),
             )
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weights))
-            hidden, kv_caches = model.hidden_states(
+            hidden, kv_pool = model.hidden_states(
                 token_ids,
                 inputs.positions,
-                kv_caches,
+                kv_pool,
                 metadata,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
@@ -298,7 +298,7 @@ class ModelRunner:
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
             )
             last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
-            return kv_caches, penalty_state, last_sampled, block_table, pack_device(outputs)
+            return kv_pool, penalty_state, last_sampled, block_table, pack_device(outputs)
 
         step.__name__ = step.__qualname__ = name  # the program's name, part of JAX's persistent cache key
         return jax.jit(step, donate_argnums=(1, 2, 3, 4), **self._shardings)
@@ -338,8 +338,8 @@ class ModelRunner:
         """
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
-        self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
-            self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, packed
+        self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
+            self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed
         )
         return result
 
@@ -427,7 +427,7 @@ class ModelRunner:
         avals = lambda tree: [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
         options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
         return StepCache.key((
-            self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_caches), avals(self.penalty_state),
+            self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_pool), avals(self.penalty_state),
             avals(self.last_sampled), avals(self.block_table), self.matmul_precision, sorted(self.compiler_options.items()), self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
         ))
 
@@ -452,7 +452,7 @@ class ModelRunner:
         name = "step" if self.step_cache is None else f"step_{self._step_key(bucket)}"
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend, name).lower(
-                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table,
+                self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table,
                 self._packed_struct(bucket),
             )
 
@@ -511,8 +511,8 @@ class ModelRunner:
             inputs = self._host_inputs(bucket)
             inputs.attention.seq_lens[0] = 1  # the table's null row and slot mapping 0: the null block
             inputs.attention.query_start_loc[1:] = 1
-            self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
-                self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
+            self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
+                self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
             )
             result.block_until_ready()
         self.block_table = self._table_writer()(self.block_table, pack(self._spill_writes()))
@@ -534,7 +534,7 @@ class ModelRunner:
         target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target:
             return self._step_fn(bucket, backend).trace(
-                *abstract((self.weights, self.kv_caches, self.penalty_state, self.last_sampled, self.block_table)),
+                *abstract((self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table)),
                 self._packed_struct(bucket),
             ).lower(lowering_platforms=(platform,))
 

@@ -136,8 +136,8 @@ def _is_kv_projection(name: str) -> bool:
 
 
 def step_shardings(tensor_parallel: TensorParallel, weights: list[jax.Array]) -> dict[str, tuple]:
-    """jax.jit's in/out shardings of a step (weights, kv_caches, penalty_state, last_sampled, block_table,
-    packed) -> (kv_caches, penalty_state, last_sampled, block_table, packed); the penalty state is whole
+    """jax.jit's in/out shardings of a step (weights, kv_pool, penalty_state, last_sampled, block_table,
+    packed) -> (kv_pool, penalty_state, last_sampled, block_table, packed); the penalty state is whole
     on every device, as the sampler reads it, and so is the block table."""
     pool, replicated = tensor_parallel.pool_sharding, tensor_parallel.replicated
     return {

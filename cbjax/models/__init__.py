@@ -1,5 +1,5 @@
 """Llama-family transformer in flax.nnx."""
 
-from cbjax.models.llama import LlamaForCausalLM, init_kv_caches, kv_cache_bytes_per_block
+from cbjax.models.llama import LlamaForCausalLM, init_kv_pool, kv_cache_bytes_per_block
 
-__all__ = ["LlamaForCausalLM", "init_kv_caches", "kv_cache_bytes_per_block"]
+__all__ = ["LlamaForCausalLM", "init_kv_pool", "kv_cache_bytes_per_block"]
