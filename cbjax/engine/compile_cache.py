@@ -124,10 +124,16 @@ class StepCache:
     have falls through to tracing and a fresh compile, then stores the executable: the runner
     names each step program after its key here, so JAX's cache cannot hand back one compiled
     under another key (see compile_fresh for why that one could not be stored).
+
+    A stored step is loaded onto `device`, the one device the engine runs on: left to itself,
+    deserialize_and_load loads an executable onto every local device, and on a host with more
+    than one (a multi-GPU machine, or forced host devices) a one-device step loaded that way
+    refuses its one-device arguments ("expected args to have 4 shards").
     """
 
-    def __init__(self, folder: pathlib.Path):
+    def __init__(self, folder: pathlib.Path, device: jax.Device):
         self.folder = folder / "steps"
+        self.device = device
 
     @staticmethod
     def key(parts: Iterable[Any]) -> str:
@@ -165,7 +171,8 @@ class StepCache:
         if not path.is_file():
             return None
         try:
-            return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+            return serialize_executable.deserialize_and_load(
+                *pickle.loads(path.read_bytes()), backend=self.device.client, execution_devices=[self.device])
         except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never a failed start
             logger.warning("ignoring the cached step %s (%s: %s); compiling it again", path, type(error).__name__, error)
             return None

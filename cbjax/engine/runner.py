@@ -202,7 +202,8 @@ class ModelRunner:
         # Whole compiled steps, keyed without tracing (one device only: sharded steps go through JAX's cache alone).
         folder = compile_cache_folder(config.compilation_cache_dir, jax.devices()[0])
         single_device = tensor_parallel is None and getattr(config, "num_processes", 1) == 1
-        self.step_cache = StepCache(folder) if folder is not None and single_device else None
+        self.step_cache = (StepCache(folder, next(iter(self.kv_pool[0].devices())))  # stored steps run where the pool is
+                           if folder is not None and single_device else None)
 
     def _device_state(self, state: nnx.State, init_pool: Any) -> tuple[list[jax.Array], Any, Any, Any]:
         """The weights as a flat list (and their treedef), the KV pool and the penalty state, on the devices."""
