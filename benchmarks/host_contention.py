@@ -12,6 +12,7 @@ run's median wall time per decode step of all 256 requests, and the medians of t
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import subprocess
@@ -21,11 +22,13 @@ import time
 from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, host_params, measure
 
 
-def core_runs(model: str, runs: int, num_running: int = 256) -> list[float]:
+def core_runs(model: str, runs: int, num_running: int = 256, max_model_len: int = 1024,
+              profile: cProfile.Profile | None = None) -> list[float]:
+    """Each run's median wall ms per decode step; `profile`, if given, records the steps (only them)."""
     parser = argparse.ArgumentParser()
     add_host_parser(parser.add_subparsers())
-    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", "1024"])
-    engine, timeline = build_standin_engine(args, 1024)
+    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", str(max_model_len)])
+    engine, timeline = build_standin_engine(args, max_model_len)
     engine.send_progress()
     passage = engine.tokenizer.encode(PASSAGE)
     medians = []
@@ -33,8 +36,12 @@ def core_runs(model: str, runs: int, num_running: int = 256) -> list[float]:
         timeline.steps.clear()
         for i, params in enumerate(host_params(args.output_len, num_running, "greedy", "final_only", "together")):
             engine.add_request(f"r{run}-{i}", {"prompt_token_ids": passage[: args.prompt_len]}, params, None)
+        if profile is not None:
+            profile.enable()
         while engine.has_unfinished_requests():
             engine.step()
+        if profile is not None:
+            profile.disable()
         # (no outputs are made here: measure's token counts stay 0)
         medians.append(measure(timeline.steps, [], 0.0, num_running, "together")["wall_ms_per_step"])
     return medians
