@@ -123,12 +123,14 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     assert run["allocated_bytes"] == 0  # shapes only: no weight, pool or penalty table was allocated
     assert run["partitions"] == [int(tp)] * len(run["shardings"]) and len(run["shardings"]) == 3  # 3 buckets
     # Both configs have 2 layers, untied, and a vocabulary that 2 and 4 divide. Per layer: q/k/v and gate/up
-    # split by output columns, o and down by input rows, 2 norms replicated; the K and V pools (one
-    # each for all layers) split over KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows (vocabulary), the
-    # final norm, the packed inputs and the previous step's sampled tokens (async scheduling) replicated,
-    # the penalty table's two [seqs, vocab] arrays and the block table (block_table.py) replicated.
-    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 2 * 2 + 1 + 1 + 1,
-            '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 2 + 1}
+    # split by output columns, o and down by input rows; the K and V pools (one each for all layers)
+    # split over KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows
+    # (vocabulary); the 2 norms of each layer and the final norm, replicated, travel as one [5, hidden]
+    # stack (weight_stacks.py); the packed inputs and the previous step's sampled tokens (async
+    # scheduling) replicated, the penalty table's two [seqs, vocab] arrays and the block table
+    # (block_table.py) replicated.
+    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 1 + 1,
+            '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1}
     assert all(shardings == want for shardings in run["shardings"])
 
 

@@ -39,6 +39,7 @@ from cbjax.engine.sampler import SamplerOutput, SamplingTensors, assemble_sampli
 from cbjax.engine.scheduler import SchedulerOutput
 from cbjax.engine.sharded_sampling import sample_vocab_sharded
 from cbjax.engine.sharding import TensorParallel, step_shardings
+from cbjax.engine.weight_stacks import WeightStacks
 from cbjax.heap import release_free_heap
 from cbjax.models.llama import init_kv_pool
 from kernels_cpu import kernel_problem, kernel_registered, registration_deferred
@@ -171,10 +172,13 @@ class ModelRunner:
             init_kv_pool, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
         )
         self.weights, self._state_treedef, self.kv_pool, self.penalty_state = self._device_state(state, init_pool)
+        # What a step's call takes of them: the same arrays, the small ones stacked (weight_stacks.py).
+        self.weight_stacks = WeightStacks.of(self.weights)
+        self.step_weights = self.weight_stacks.stack(self.weights)
         self.slots = RequestSlots(config.max_num_seqs)  # each running request's row in the table and penalty state
         self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         self.block_table = self._replicated_zeros(self.table.mirror.shape)  # the device's table (block_table.py)
-        self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.weights)
+        self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.step_weights)
         self.buckets = compute_buckets(
             config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints)
         # Table writes beyond a step's own capacity go first, this many per call of the write_table program.
@@ -265,10 +269,10 @@ class ModelRunner:
 
     def _step_fn(self, bucket: Bucket, backend: str, name: str = "step"):
         graphdef, layout, num_logprobs = self.graphdef, self._layouts[bucket], self.config.max_logprobs
-        state_treedef = self._state_treedef
+        state_treedef, weight_stacks = self._state_treedef, self.weight_stacks
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(weights, kv_pool, penalty_state, last_sampled, block_table, packed):
+        def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed):
             inputs: StepInputs = unpack(packed, layout)
             token_ids = jnp.where(
                 inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
@@ -279,7 +283,7 @@ class ModelRunner:
                 attn.slot_mapping, attn.query_start_loc, attn.seq_lens,
                 gather_rows(block_table, attn.table_slots, attn.seq_lens, self.block_size),
             )
-            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weights))
+            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weight_stacks.unstack(step_weights)))
             hidden, kv_pool = model.hidden_states(
                 token_ids,
                 inputs.positions,
@@ -340,7 +344,7 @@ class ModelRunner:
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
         self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
-            self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed
+            self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed
         )
         return result
 
@@ -428,7 +432,7 @@ class ModelRunner:
         avals = lambda tree: [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
         options = {k: v for k, v in vars(self.config).items() if k not in ("model", "tokenizer")}
         return StepCache.key((
-            self.graphdef, self._state_treedef, avals(self.weights), avals(self.kv_pool), avals(self.penalty_state),
+            self.graphdef, self._state_treedef, avals(self.step_weights), self.weight_stacks, avals(self.kv_pool), avals(self.penalty_state),
             avals(self.last_sampled), avals(self.block_table), self.matmul_precision, sorted(self.compiler_options.items()), self.backend, StepCache.kernel_build(self.backend), sorted(options.items()),
         ))
 
@@ -453,7 +457,7 @@ class ModelRunner:
         name = "step" if self.step_cache is None else f"step_{self._step_key(bucket)}"
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend, name).lower(
-                self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table,
+                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table,
                 self._packed_struct(bucket),
             )
 
@@ -513,7 +517,7 @@ class ModelRunner:
             inputs.attention.seq_lens[0] = 1  # the table's null row and slot mapping 0: the null block
             inputs.attention.query_start_loc[1:] = 1
             self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
-                self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
+                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
             )
             result.block_until_ready()
         self.block_table = self._table_writer()(self.block_table, pack(self._spill_writes()))
@@ -535,7 +539,7 @@ class ModelRunner:
         target = lowering_target(platform) if self.tensor_parallel is None else contextlib.nullcontext()
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target:
             return self._step_fn(bucket, backend).trace(
-                *abstract((self.weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table)),
+                *abstract((self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table)),
                 self._packed_struct(bucket),
             ).lower(lowering_platforms=(platform,))
 
