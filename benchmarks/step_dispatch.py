@@ -1,7 +1,8 @@
 """What JAX's dispatch of one compiled step costs on the host, alone: the stand-in device's step
 (`cbjax bench host`'s, no device work) called with the runner's real arguments (every weight, the
 small ones stacked as the engine sends them (weight_stacks.py), the KV pool, the penalty table, the
-block table), against a jitted function of N small arrays. --unstacked: every weight its own array.
+block table), alternated in blocks with the same call passing every weight as its own array; and
+a jitted function of N small arrays.
 
     PYTHONPATH=. python benchmarks/step_dispatch.py --model checkpoints/smollm2-135m-instruct
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import jax
@@ -17,21 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.bench.host import add_host_parser, build_standin_engine
+from cbjax.bench.standin_device import StandInStep
 
 
-def per_call_us(call, state, calls: int) -> float:
+def per_call_us(call, state, calls: int, times: list[float]):
+    """Call `calls` times, threading the state through; append the microseconds per call to `times`."""
     start = time.perf_counter()
     for _ in range(calls):
         state = call(state)
     jax.block_until_ready(state)
-    return (time.perf_counter() - start) / calls * 1e6
+    times.append((time.perf_counter() - start) / calls * 1e6)
+    return state
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--unstacked", action="store_true", help="call with the model's weights one array each")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed block")
+    parser.add_argument("--rounds", type=int, default=40, help="blocks per way of passing the weights, alternated")
     args = parser.parse_args()
     host_parser = argparse.ArgumentParser()
     add_host_parser(host_parser.add_subparsers())
@@ -39,25 +44,33 @@ def main() -> None:
     engine, _ = build_standin_engine(host_args, 1024)
     runner = engine.runner
     bucket = max(runner.buckets, key=lambda b: b.num_reqs)
-    step = runner.compiled[bucket]
     packed = np.zeros(runner.packed_size(bucket), np.int32)
-    weights = runner.weights if args.unstacked else runner.step_weights
-    step._compiled = None  # compiled again for the weights passed here
-    state = step(weights, runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table, packed)[:4]
-    compiled = step._compiled  # the jitted stand-in: donated state in, the same state out
+    state = (runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table)
+    # The stand-in's jitted step (donated state in, the same state out), compiled for each way.
+    ways = {"stacked": runner.step_weights, "unstacked": runner.weights}
+    compiled = {way: jax.jit(StandInStep._step, donate_argnums=(1, 2, 3, 4)).lower(weights, *state, packed).compile()
+                for way, weights in ways.items()}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for round_index in range(args.rounds):
+        for way in (ways if round_index % 2 == 0 else reversed(list(ways))):
+            state = per_call_us(lambda s, way=way: compiled[way](ways[way], *s, packed), state, args.calls, times[way])
     result = {
         "num_weights": len(runner.weights),
-        "num_weight_arrays_passed": len(weights),
+        "num_weight_arrays_passed": {way: len(weights) for way, weights in ways.items()},
         "num_kv_arrays": len(jax.tree_util.tree_leaves(runner.kv_pool)),
-        "step_call_us": per_call_us(lambda s: compiled(weights, *s, packed)[:4], state, args.calls),
+        "step_call_us_median": {way: round(statistics.median(ts), 1) for way, ts in times.items()},
+        # Each round's two blocks ran back to back: their ratio sees one machine state (this machine's
+        # speed moves 1.5x from minute to minute), and the median of the rounds' ratios is the comparison.
+        "stacked_over_unstacked_median_of_rounds": round(statistics.median(
+            stacked / unstacked for stacked, unstacked in zip(times["stacked"], times["unstacked"])), 3),
     }
     for n in (4, 64, 340):
         arrays = [jnp.ones((8, 8)) for _ in range(n)]
         small = jax.jit(lambda *xs: xs[-1] + 1).lower(*arrays).compile()
-        result[f"{n}_small_arrays_call_us"] = per_call_us(lambda s, small=small, arrays=arrays: small(*arrays[:-1], s),
-                                                          arrays[-1], args.calls)
+        block: list[float] = []
+        per_call_us(lambda s, small=small, arrays=arrays: small(*arrays[:-1], s), arrays[-1], args.calls, block)
+        result[f"{n}_small_arrays_call_us"] = round(block[0], 1)
     print(json.dumps(result, indent=1))
-
 
 if __name__ == "__main__":
     main()
