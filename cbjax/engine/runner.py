@@ -172,7 +172,7 @@ class ModelRunner:
             init_kv_pool, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
         )
         self.weights, self._state_treedef, self.kv_pool, self.penalty_state = self._device_state(state, init_pool)
-        # What a step's call takes of them: the same arrays, the small ones stacked (weight_stacks.py).
+        # What a step's call takes of them: the same arrays, the vectors alike stacked (weight_stacks.py).
         self.weight_stacks = WeightStacks.of(self.weights)
         self.step_weights = self.weight_stacks.stack(self.weights)
         self.slots = RequestSlots(config.max_num_seqs)  # each running request's row in the table and penalty state

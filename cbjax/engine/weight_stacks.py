@@ -1,8 +1,8 @@
 """How the weights travel into a step: the vectors stacked, so a call passes fewer arrays.
 
 A compiled step's call costs the host about half a microsecond per argument array on this
-project's CPUs (PjRt's per-buffer work, not Python: benchmarks/step_dispatch.py), and a GPU's
-host pays it too. SmolLM2's 276 weight arrays include 61 norm vectors of 576 values; sent as one
+project's CPUs (PjRt's per-buffer work, not Python: benchmarks/step_dispatch.py); a GPU
+client does per-buffer work on its host too (not yet measured there). SmolLM2's 276 weight arrays include 61 norm vectors of 576 values; sent as one
 [61, 576] array, the call passes 216. Inside the step each is a row read by a static index,
 which XLA fuses into the elementwise op that uses it (the norm's scale, a bias add): nothing is
 copied, and every value is the same.
