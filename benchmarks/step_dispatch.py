@@ -1,8 +1,9 @@
 """What JAX's dispatch of one compiled step costs on the host, alone: the stand-in device's step
 (`cbjax bench host`'s, no device work) called with the runner's real arguments (every weight, the
 small ones stacked as the engine sends them (weight_stacks.py), the KV pool, the penalty table, the
-block table), alternated in blocks with the same call passing every weight as its own array; and
-a jitted function of N small arrays.
+block table), alternated in blocks with the same call passing every weight as its own array, at
+the smallest and largest decode steps and the largest prompt step; and a jitted function of N
+small arrays.
 
     PYTHONPATH=. python benchmarks/step_dispatch.py --model checkpoints/smollm2-135m-instruct
 """
@@ -43,27 +44,34 @@ def main() -> None:
     host_args = host_parser.parse_args(["host", "--model", args.model, "--num-running", "256", "--max-model-lens", "1024"])
     engine, _ = build_standin_engine(host_args, 1024)
     runner = engine.runner
-    bucket = max(runner.buckets, key=lambda b: b.num_reqs)
-    packed = np.zeros(runner.packed_size(bucket), np.int32)
     state = (runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table)
-    # The stand-in's jitted step (donated state in, the same state out), compiled for each way.
     ways = {"stacked": runner.step_weights, "unstacked": runner.weights}
-    compiled = {way: jax.jit(StandInStep._step, donate_argnums=(1, 2, 3, 4)).lower(weights, *state, packed).compile()
-                for way, weights in ways.items()}
-    times: dict[str, list[float]] = {way: [] for way in ways}
-    for round_index in range(args.rounds):
-        for way in (ways if round_index % 2 == 0 else reversed(list(ways))):
-            state = per_call_us(lambda s, way=way: compiled[way](ways[way], *s, packed), state, args.calls, times[way])
     result = {
         "num_weights": len(runner.weights),
         "num_weight_arrays_passed": {way: len(weights) for way, weights in ways.items()},
         "num_kv_arrays": len(jax.tree_util.tree_leaves(runner.kv_pool)),
-        "step_call_us_median": {way: round(statistics.median(ts), 1) for way, ts in times.items()},
-        # Each round's two blocks ran back to back: their ratio sees one machine state (this machine's
-        # speed moves 1.5x from minute to minute), and the median of the rounds' ratios is the comparison.
-        "stacked_over_unstacked_median_of_rounds": round(statistics.median(
-            stacked / unstacked for stacked, unstacked in zip(times["stacked"], times["unstacked"])), 3),
+        "by_bucket": {},
     }
+    # The smallest and largest decode steps and the largest prompt step: the packed inputs' size differs.
+    decode = sorted((b for b in runner.buckets if b.kind == "decode"), key=lambda b: b.num_reqs)
+    mixed = max((b for b in runner.buckets if b.kind == "mixed"), key=lambda b: b.num_tokens)
+    for bucket in (decode[0], decode[-1], mixed):
+        packed = np.zeros(runner.packed_size(bucket), np.int32)
+        # The stand-in's jitted step (donated state in, the same state out), compiled for each way.
+        compiled = {way: jax.jit(StandInStep._step, donate_argnums=(1, 2, 3, 4)).lower(weights, *state, packed).compile()
+                    for way, weights in ways.items()}
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for round_index in range(args.rounds):
+            for way in (ways if round_index % 2 == 0 else reversed(list(ways))):
+                state = per_call_us(lambda s, way=way, packed=packed: compiled[way](ways[way], *s, packed),
+                                    state, args.calls, times[way])
+        result["by_bucket"][f"{bucket.kind} {bucket.num_tokens} tokens {bucket.num_reqs} rows"] = {
+            "step_call_us_median": {way: round(statistics.median(ts), 1) for way, ts in times.items()},
+            # Each round's two blocks ran back to back: their ratio sees one machine state (this machine's
+            # speed moves 1.5x from minute to minute), and the median of the rounds' ratios is the comparison.
+            "stacked_over_unstacked_median_of_rounds": round(statistics.median(
+                stacked / unstacked for stacked, unstacked in zip(times["stacked"], times["unstacked"])), 3),
+        }
     for n in (4, 64, 340):
         arrays = [jnp.ones((8, 8)) for _ in range(n)]
         small = jax.jit(lambda *xs: xs[-1] + 1).lower(*arrays).compile()
@@ -71,6 +79,7 @@ def main() -> None:
         per_call_us(lambda s, small=small, arrays=arrays: small(*arrays[:-1], s), arrays[-1], args.calls, block)
         result[f"{n}_small_arrays_call_us"] = round(block[0], 1)
     print(json.dumps(result, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""The small weights travel into a step stacked (engine/weight_stacks.py): which ones, and that the
+"""The weights' vectors travel into a step stacked (engine/weight_stacks.py): which ones, and that the
 step sees every weight as it was."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cbjax.engine.weight_stacks import WeightStacks
-from tiny_llm import llm, tiny  # noqa: F401
+from tiny_llm import llm  # noqa: F401
 
 
 def random_weights() -> list[jax.Array]:
