@@ -101,6 +101,8 @@ class LaunchedStep:
     inputs: StepInputs
     sampling_requests: tuple[Any, ...]  # the scheduled requests that sample, in row order
     result: jax.Array
+    scores_prompt: bool = True  # False: no row scores prompt tokens (its result has none to read)
+    wants_logprobs: bool = True  # False: no row asked for its sampled token's logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,7 +640,7 @@ class ModelRunner:
         attn.query_start_loc[num_rows + 1 :] = num_tokens
         samples = np.fromiter((row.samples for row in rows), bool, num_rows)
         inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
-        self._prepared = prepared_step(bucket, scheduled, inputs, starts, sampling_rows)
+        self._prepared = prepared_step(bucket, scheduled, inputs, starts, sampling_rows, bool(logprob_targets))
         return bucket, inputs
 
     def release_request(self, request_id: str) -> None:
@@ -665,7 +667,9 @@ class ModelRunner:
                 self.write_table(pack(writes))
             result = self.launch(bucket, pack(inputs))
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
-        return LaunchedStep(scheduled, bucket, inputs, self._prepared.sampling_requests, result)
+        prepared = self._prepared
+        return LaunchedStep(scheduled, bucket, inputs, prepared.sampling_requests, result, prepared.scores_prompt,
+                            prepared.wants_logprobs)
 
     def collect(self, launched: LaunchedStep) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
         """Wait for a launched step: the sampled token of every request that samples in it, and the
@@ -680,11 +684,12 @@ class ModelRunner:
         token_ids, token_logprobs, ranks = (column[: len(rows)].tolist() for column in
                                             (out.sampled.token_ids, logprobs.logprobs, logprobs.ranks))
         top = {}
-        for i in np.flatnonzero(inputs.sampling.wants_logprobs[: len(rows)]).tolist():  # rows that asked for them
+        asked = np.flatnonzero(inputs.sampling.wants_logprobs[: len(rows)]).tolist() if launched.wants_logprobs else ()
+        for i in asked:  # rows that asked for them
             n = rows[i].sampling_params.logprobs
             top[i] = (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
         sampled = SampledTokens(rows, token_ids, token_logprobs, ranks, top)
-        return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt)
+        return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt) if launched.scores_prompt else {}
 
     @staticmethod
     def _prompt_logprobs(
