@@ -72,10 +72,6 @@ class BlockManager:
             computed.append(block_id)
         return computed
 
-    def has_blocks_to_cache(self, request: Request) -> bool:
-        """Whether cache_full_blocks(request) has anything to register: asked of every request every step."""
-        return self.enable_caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * self.block_size
-
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks of `request` that its computed tokens have filled (their KV is written)."""
         if not self.enable_caching:

@@ -60,10 +60,12 @@ class SchedulerOutput:
     # The scheduled requests that got blocks in this schedule (the others' block_ids did not change):
     # what a step that follows the previous one sends of the block tables (persistent_batch.py).
     allocated: list[Request] = field(default_factory=list)
+    # The rows' num_new_tokens added up, if the scheduler counted them as it went (else summed when asked).
+    num_tokens: int | None = None
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> int:
-        return sum(map(_NUM_NEW_TOKENS, self.scheduled))
+        return sum(map(_NUM_NEW_TOKENS, self.scheduled)) if self.num_tokens is None else self.num_tokens
 
     @functools.cached_property
     def is_decode_only(self) -> bool:
@@ -198,9 +200,11 @@ class Scheduler:
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
         block_size = self.block_manager.block_size
 
-        index, running = 0, self.running
-        while index < len(running) and token_budget > 0:
-            request = running[index]
+        # A for loop over the running list, though preemption pops from its end: a list's iterator
+        # stops at the list's current length, and every victim lies after the row being scheduled.
+        for request in self.running:
+            if token_budget <= 0:
+                break
             start, pending = request.num_computed_tokens, request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + pending
             if num_tokens == start + 1 and start < len(request.block_ids) * block_size and (
@@ -211,17 +215,15 @@ class Scheduler:
                 request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
                 scheduled.append(_scheduled_request((request, 1, start, True)))
                 token_budget -= 1
-                index += 1
                 continue
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
             if num_new_tokens == 0:
-                index += 1
                 continue
             # Most steps most requests decode with room in their last block: nothing to allocate or
             # check (block_manager.num_missing_blocks() > 0, without the call).
             needs_blocks = request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_size
             while needs_blocks and not self.block_manager.can_allocate(request, num_new_tokens):
-                victim = self.running.pop()  # scheduled requests sit before `index`: never victims
+                victim = self.running.pop()  # scheduled requests sit before this one: never victims
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -236,7 +238,8 @@ class Scheduler:
                 if num_new_tokens > 1:
                     num_prefills += 1
                     prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
-                index += 1
+                continue
+            break  # it preempted itself: nobody after it is left
 
         while (
             not preempted
@@ -263,7 +266,8 @@ class Scheduler:
                 num_prefills += 1
                 prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
 
-        return SchedulerOutput(scheduled, [request.request_id for request in preempted], allocated)
+        return SchedulerOutput(scheduled, [request.request_id for request in preempted], allocated,
+                               self.max_num_batched_tokens - token_budget)
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int],
                skipped: list[Request] | None = None) -> list[Request]:
@@ -273,6 +277,9 @@ class Scheduler:
         skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given)."""
         finished = []
         block_manager = self.block_manager
+        # Blocks to register in the prefix cache: a running request's computed tokens fill one past
+        # those it registered (BlockManager.cache_full_blocks's work), checked inline for every row.
+        caching, block_size = block_manager.enable_caching, block_manager.block_size
         rows = scheduler_output.scheduled
         if len(sampled_token_ids) < len(rows):  # (where every row samples, as in most steps, the column is per row)
             sampled = iter(sampled_token_ids)
@@ -290,7 +297,9 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
             # (a request preempted since holds no blocks)
-            if status is _RUNNING and block_manager.has_blocks_to_cache(request):
+            if caching and status is _RUNNING and (
+                request.num_computed_tokens >= (request.num_registered_blocks + 1) * block_size
+            ):
                 block_manager.cache_full_blocks(request)
             # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
             if samples and (len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids):
