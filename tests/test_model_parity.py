@@ -51,24 +51,28 @@ class Loaded:
 
 
 # "packed": the projections packed for the CPU matmul kernel at load and run by it (with the C++
-# attention), as the engine serves on a CPU; widths that are not a multiple of 32 stay unpacked
-# (mistral_gqa4's 16-wide k/v).
-LAYOUTS = ("plain", "packed")
+# attention); widths that are not a multiple of 32 stay unpacked (mistral_gqa4's 16-wide k/v).
+# "fused+packed": q/k/v and gate/up fused into one kernel each first, then packed, as the engine
+# serves on a CPU (a GPU serves them fused, unpacked).
+LAYOUTS = ("plain", "packed", "fused+packed")
 
 
 @pytest.fixture(scope="module", params=[(case, layout) for case in CASES for layout in LAYOUTS], ids="-".join)
 def loaded(request, tmp_path_factory) -> Loaded:
     case, layout = request.param
-    if layout == "packed" and jax.devices()[0].platform != "cpu":
+    is_packed, fused = layout.endswith("packed"), layout.startswith("fused")
+    if is_packed and jax.devices()[0].platform != "cpu":
         pytest.skip("the packed projections are a CPU kernel")
     arch, overrides = CASES[case]
     tmp = tmp_path_factory.mktemp(case)
     hf_dir = make_tiny_hf_model(tmp, arch, **overrides)
-    model, config = load_model(convert_checkpoint(hf_dir, tmp / "converted"), pack_for_cpu=layout == "packed")
+    model, config = load_model(convert_checkpoint(hf_dir, tmp / "converted"), pack_for_cpu=is_packed,
+                               fused_projections=fused)
     graphdef, state = nnx.split(model)
     packed = [leaf for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 3]
-    assert bool(packed) == (layout == "packed")
-    backend = "cpp" if layout == "packed" else "xla"
+    assert bool(packed) == is_packed
+    assert hasattr(model.model.layers[0].self_attn, "qkv_proj") == fused
+    backend = "cpp" if is_packed else "xla"
 
     def step(decode_only, kv_pool, token_ids, positions, metadata, logits_indices):
         return nnx.merge(graphdef, state)(

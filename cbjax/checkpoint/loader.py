@@ -17,7 +17,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import LlamaForCausalLM, pack_linears
+from cbjax.models.llama import LlamaForCausalLM, fuse_projections, pack_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
-    tensor_parallel: TensorParallel | None = None, pack_for_cpu: bool = False,
+    tensor_parallel: TensorParallel | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
 
@@ -36,27 +36,32 @@ def load_model(
     tensor_parallel: orbax restores each tensor straight into its sharding (an HF directory is read
     on the host, then each tensor is put into its sharding), so no device ever holds the whole
     model; KV heads are repeated as it says, and the config returned is the served one.
+    fused_projections: the model of LlamaForCausalLM(fused_projections=True), its fused kernels made
+    from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
+    if fused_projections and tensor_parallel is not None:
+        raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
+    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu)
     if (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
             ckpt_dir / PARAMS_DIR, model_dtype, expected,
             lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None),
-            layout=(PACKED_LAYOUT, functools.partial(pack_linears, dtype=model_dtype)) if pack_for_cpu else None,
+            layout=arrange,
         )
     elif (ckpt_dir / PARAMS_DIR).is_dir():
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None,
                                 sharding=tensor_parallel.restore_sharding)
     else:
         params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
-        if pack_for_cpu:
-            params = pack_linears(params, model_dtype)
+        if arrange is not None:
+            params = arrange[1](params)
     if tensor_parallel is None:
-        model = _fill_model(config, model_dtype, params, activation_dtype)
+        model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections)
     else:
         params = tensor_parallel.repeat_kv_heads(params, config)
         config = tensor_parallel.serving_config(config)
@@ -64,6 +69,25 @@ def load_model(
         model = _fill_model(config, model_dtype, params, activation_dtype, place)
     release_free_heap()
     return model, config
+
+
+def _arrangement(
+    config: ModelConfig, dtype: str, fused: bool, packed: bool,
+) -> tuple[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] | None:
+    """How a checkpoint's weights are rearranged for the model (fused projections, then packed for
+    the CPU kernel), and that layout's name in the weights cache; None: kept as stored."""
+    steps = [("fused", functools.partial(fuse_projections, num_layers=config.num_hidden_layers))] if fused else []
+    if packed:
+        steps.append((PACKED_LAYOUT, functools.partial(pack_linears, dtype=dtype)))
+    if not steps:
+        return None
+
+    def arrange(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for _, step in steps:
+            params = step(params)
+        return params
+
+    return "+".join(name for name, _ in steps), arrange
 
 
 def _restore_orbax(
@@ -92,13 +116,15 @@ def _restore_orbax(
 def _fill_model(
     config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
     place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jax.device_put(array, may_alias=True),
+    fused_projections: bool = False,
 ) -> LlamaForCausalLM:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
     default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy."""
     graphdef, abstract_state = nnx.split(
-        abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
+        abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
+                       fused_projections)
     )
     filled = [
         (path, variable.replace(

@@ -33,18 +33,21 @@ class _FixedKey:
         return lambda: jax.random.key(0)
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None) -> LlamaForCausalLM:
+def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None,
+                   fused_projections: bool = False) -> LlamaForCausalLM:
     """The model with shapes and dtypes only: no memory, no random init."""
-    return nnx.merge(*abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype)))
+    return nnx.merge(*abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
+                                     fused_projections))
 
 
 @functools.lru_cache(maxsize=8)  # a load needs it twice: the parameters to expect, then the model to fill
 def abstract_split(
-    config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None
+    config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None, fused_projections: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """nnx.split of the abstract model (read-only: callers replace its variables, never set them)."""
     return nnx.split(nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey())
+        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey(),
+                                 fused_projections=fused_projections)
     ))
 
 
@@ -56,7 +59,8 @@ def expected_params(
     config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """Every parameter the model has, by name, with the shape and dtype it must be loaded with
-    (activation_dtype changes none of them; pass the one the model is built with to share its build)."""
+    (activation_dtype changes none of them; pass the one the model is built with to share its build):
+    a checkpoint's parameters, so projections unfused."""
     _, state = abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
     return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
 
