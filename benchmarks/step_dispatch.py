@@ -1,11 +1,13 @@
 """What JAX's dispatch of one compiled step costs on the host, alone: the stand-in device's step
-(`cbjax bench host`'s, no device work) called with the runner's real arguments (every weight, the
-small ones stacked as the engine sends them (weight_stacks.py), the KV pool, the penalty table, the
-block table), alternated in blocks with the same call passing every weight as its own array, at
-the smallest and largest decode steps and the largest prompt step; and a jitted function of N
-small arrays.
+(`cbjax bench host`'s, no device work) called with the runner's real arguments (every weight as the
+engine sends it, the KV pool, the penalty table, the block table), alternated in blocks with the same
+call passing the weights another way, at the smallest and largest decode steps and the largest
+prompt step; and a jitted function of N small arrays. The other way (--compare):
+- stacked: every weight as its own array, against the small ones stacked (weight_stacks.py);
+- fused: the checkpoint's separate q/k/v and gate/up kernels (fused_projections=False, loaded
+  beside the engine's model), against the fused ones the engine serves.
 
-    PYTHONPATH=. python benchmarks/step_dispatch.py --model checkpoints/smollm2-135m-instruct
+    PYTHONPATH=. python benchmarks/step_dispatch.py --model checkpoints/smollm2-135m-instruct --compare stacked
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
 from cbjax.bench.host import add_host_parser, build_standin_engine
 from cbjax.bench.standin_device import StandInStep
+from cbjax.engine.weight_stacks import WeightStacks
 
 
 def per_call_us(call, state, calls: int, times: list[float]):
@@ -33,9 +38,23 @@ def per_call_us(call, state, calls: int, times: list[float]):
     return state
 
 
+def unfused_step_weights(engine) -> list:
+    """The step's weights as the engine would send them with the checkpoint's separate projections."""
+    from cbjax.checkpoint.loader import load_model
+
+    runner = engine.runner
+    packed = any(leaf.ndim == 3 for leaf in runner.weights)  # the CPU kernel's layout (LLMEngine's pack_for_cpu)
+    model, _ = load_model(engine.config.model, dtype=str(runner.weights[0].dtype), activation_dtype="float32",
+                          pack_for_cpu=packed, fused_projections=False)
+    weights = jax.tree_util.tree_leaves(nnx.state(model))
+    return WeightStacks.of(weights).stack(weights)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--compare", choices=["stacked", "fused"], default="stacked",
+                        help="the way set beside the engine's own (see above)")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed block")
     parser.add_argument("--rounds", type=int, default=40, help="blocks per way of passing the weights, alternated")
     args = parser.parse_args()
@@ -45,8 +64,13 @@ def main() -> None:
     engine, _ = build_standin_engine(host_args, 1024)
     runner = engine.runner
     state = (runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table)
-    ways = {"stacked": runner.step_weights, "unstacked": runner.weights}
+    if args.compare == "stacked":
+        ways = {"stacked": runner.step_weights, "unstacked": runner.weights}
+    else:
+        ways = {"fused": runner.step_weights, "unfused": unfused_step_weights(engine)}
+    new, old = ways
     result = {
+        "compare": args.compare,
         "num_weights": len(runner.weights),
         "num_weight_arrays_passed": {way: len(weights) for way, weights in ways.items()},
         "num_kv_arrays": len(jax.tree_util.tree_leaves(runner.kv_pool)),
@@ -69,8 +93,8 @@ def main() -> None:
             "step_call_us_median": {way: round(statistics.median(ts), 1) for way, ts in times.items()},
             # Each round's two blocks ran back to back: their ratio sees one machine state (this machine's
             # speed moves 1.5x from minute to minute), and the median of the rounds' ratios is the comparison.
-            "stacked_over_unstacked_median_of_rounds": round(statistics.median(
-                stacked / unstacked for stacked, unstacked in zip(times["stacked"], times["unstacked"])), 3),
+            f"{new}_over_{old}_median_of_rounds": round(statistics.median(
+                ours / theirs for ours, theirs in zip(times[new], times[old])), 3),
         }
     for n in (4, 64, 340):
         arrays = [jnp.ones((8, 8)) for _ in range(n)]
