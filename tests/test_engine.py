@@ -168,7 +168,7 @@ def test_cpu_engine_packs_its_projections_unless_told_not_to(tiny, expected, llm
     """On a CPU the default engine runs every projection through the packed C++ matmul (the other
     tests here check its outputs); cpu_packed_weights=False keeps XLA's dots, with the same tokens."""
     config = llm.llm_engine.model_config
-    assert packed_weights(llm) == 7 * config.num_hidden_layers  # q, k, v, o, gate, up, down
+    assert packed_weights(llm) == 4 * config.num_hidden_layers  # qkv (fused), o, gate_up (fused), down
     unpacked = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(cpu_packed_weights=False)))
     assert packed_weights(unpacked) == 0
     prompts, want = expected
