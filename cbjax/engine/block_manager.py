@@ -125,10 +125,16 @@ class BlockManager:
         if computed_blocks is not None:
             self._take_computed_blocks(request, computed_blocks)
         for _ in range(self.num_missing_blocks(request, num_new_tokens)):
-            block_id, _ = self.free_queue.popitem(last=False)
-            self._evict(block_id)
-            self.ref_counts[block_id] = 1
-            request.block_ids.append(block_id)
+            self.append_free_block(request)
+
+    def append_free_block(self, request: Request) -> None:
+        """Give `request` the block at the head of the free queue (evicting what it cached); the caller
+        checked that one is free. What allocate does per block, and the scheduler for a decode that
+        starts a block (a few requests every step)."""
+        block_id, _ = self.free_queue.popitem(last=False)
+        self._evict(block_id)
+        self.ref_counts[block_id] = 1
+        request.block_ids.append(block_id)
 
     def _take_computed_blocks(self, request: Request, computed_blocks: list[int]) -> None:
         for block_id in computed_blocks:

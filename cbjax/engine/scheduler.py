@@ -198,7 +198,8 @@ class Scheduler:
 
         num_prefills = 0  # scheduled requests computing more than one token
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
-        block_size = self.block_manager.block_size
+        block_manager = self.block_manager
+        block_size, free_queue = block_manager.block_size, block_manager.free_queue
 
         # A for loop over the running list, though preemption pops from its end: a list's iterator
         # stops at the list's current length, and every victim lies after the row being scheduled.
@@ -207,22 +208,26 @@ class Scheduler:
                 break
             start, pending = request.num_computed_tokens, request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + pending
-            if num_tokens == start + 1 and start < len(request.block_ids) * block_size and (
-                not pending or num_tokens < request.max_num_tokens
-            ):
-                # A decode with room in its last block, most requests most steps: what _num_new_tokens,
-                # the block check and _advance decide for it, without the calls (hundreds a step).
-                request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
-                scheduled.append(_scheduled_request((request, 1, start, True)))
-                token_budget -= 1
-                continue
+            if num_tokens == start + 1 and (not pending or num_tokens < request.max_num_tokens):
+                # A decode (what _num_new_tokens, the block check, _allocate and _advance decide for
+                # it, without the calls: hundreds a step): with room in its last block, most requests
+                # most steps; or starting a block, one in block_size, with a block free to take.
+                capacity = len(request.block_ids) * block_size
+                if start < capacity or (start == capacity and free_queue):
+                    if start == capacity:
+                        block_manager.append_free_block(request)
+                        allocated.append(request)
+                    request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
+                    scheduled.append(_scheduled_request((request, 1, start, True)))
+                    token_budget -= 1
+                    continue
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
             if num_new_tokens == 0:
                 continue
             # Most steps most requests decode with room in their last block: nothing to allocate or
             # check (block_manager.num_missing_blocks() > 0, without the call).
             needs_blocks = request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_size
-            while needs_blocks and not self.block_manager.can_allocate(request, num_new_tokens):
+            while needs_blocks and not block_manager.can_allocate(request, num_new_tokens):
                 victim = self.running.pop()  # scheduled requests sit before this one: never victims
                 self._preempt(victim)
                 preempted.append(victim)
