@@ -33,7 +33,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read and written for every row of every step
 class Request:
     """A prompt and what has been generated for it.
 
