@@ -1,10 +1,9 @@
 """q/k/v and gate/up fused into one kernel each at load (models/llama.py fuse_projections): what the
-fused kernels hold, that the fused model computes what the checkpoint's does, and that the engine
-serves it (its step takes 3 arrays fewer per layer). HF parity of the fused layouts: test_model_parity."""
+fused kernels hold, and that the fused model computes what the checkpoint's does. HF parity of the
+fused, packed layout: test_model_parity; the engine packing 4 fused kernels a layer: test_engine."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 from helpers_hf import make_tiny_hf_model
@@ -14,7 +13,6 @@ from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.weights_cache import DISABLE_ENV
 from cbjax.models.llama import fuse_projections
 from kernels_cpu import LAYOUT
-from tiny_llm import llm  # noqa: F401
 
 
 def test_each_layers_columns_are_put_side_by_side_in_checkpoint_order():
@@ -91,11 +89,3 @@ def test_tensor_parallel_loads_keep_the_projections_apart(checkpoint):
     with pytest.raises(ValueError, match="under tensor parallelism load with fused_projections=False"):
         load_model(checkpoint, tensor_parallel=object(), fused_projections=True)
 
-
-def test_the_engine_serves_the_fused_model(llm):  # noqa: F811
-    """One process, one device: each layer's step weights hold qkv_proj and gate_up_proj, not their parts."""
-    runner = llm.llm_engine.runner
-    state = jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights)
-    layer = state["model"]["layers"][0]
-    assert {"qkv_proj", "o_proj"} <= set(layer["self_attn"]) and "q_proj" not in layer["self_attn"]
-    assert set(layer["mlp"]) == {"gate_up_proj", "down_proj"}
