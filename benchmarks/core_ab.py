@@ -4,10 +4,10 @@
     PYTHONPATH=. python benchmarks/core_ab.py --old /tmp/cbjax-before --num-running 16 64 256 --rounds 6
 
 Each round starts one process per checkout, in alternating order (this script, run with that
-checkout's package): an engine core (LLMEngine.send_progress(), the stand-in device of `cbjax bench
-host`, 0 ms device, no front end) steps --num-running greedy requests of --output-len tokens to their
-end, --runs times, and reports each run's median wall time per decode step of all of them (at 0 ms
-device, all of it host time). Longer outputs than `cbjax bench host`'s default give more steady
+checkout's package): host_contention.core_runs, an engine core (LLMEngine.send_progress(), the
+stand-in device of `cbjax bench host`, 0 ms device, no front end) stepping --num-running greedy
+requests (--prompt-len, --output-len) to their end, --runs times; each run's median wall time per
+decode step of all of them (at 0 ms device, all of it host time). Longer outputs than `cbjax bench host`'s default give more steady
 steps per run. A round's ratio is the mean of its new runs over the mean of its old runs; the
 comparison is the median of the rounds' ratios (this machine's speed moves 1.5-2x from minute to
 minute; two processes started back to back see about the same machine).
@@ -26,31 +26,10 @@ import sys
 HERE = pathlib.Path(__file__).resolve()
 
 
-def worker(model: str, num_running: int, output_len: int, runs: int) -> list[float]:
-    """In a checkout's process: each run's median wall ms per decode step of all the requests."""
-    from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, host_params, measure
-
-    parser = argparse.ArgumentParser()
-    add_host_parser(parser.add_subparsers())
-    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", "1024",
-                              "--output-len", str(output_len)])
-    engine, timeline = build_standin_engine(args, 1024)
-    engine.send_progress()
-    prompt = engine.tokenizer.encode(PASSAGE)[: args.prompt_len]
-    medians = []
-    for run in range(runs):
-        timeline.steps.clear()
-        for i, params in enumerate(host_params(output_len, num_running, "greedy", "final_only", "together")):
-            engine.add_request(f"r{run}-{i}", {"prompt_token_ids": prompt}, params, None)
-        while engine.has_unfinished_requests():
-            engine.step()
-        medians.append(round(measure(timeline.steps, [], 0.0, num_running, "together")["wall_ms_per_step"], 3))
-    return medians
-
-
 def run_side(checkout: pathlib.Path, args: argparse.Namespace, num_running: int) -> list[float]:
     command = [sys.executable, str(HERE), "--worker", "--model", str(pathlib.Path(args.model).resolve()),
-               "--num-running", str(num_running), "--output-len", str(args.output_len), "--runs", str(args.runs)]
+               "--num-running", str(num_running), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+               "--runs", str(args.runs)]
     env = os.environ | {"PYTHONPATH": str(checkout)}
     done = subprocess.run(command, cwd=checkout, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -61,6 +40,7 @@ def main() -> None:
     p.add_argument("--old", help="the old checkout (a git worktree)")
     p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     p.add_argument("--num-running", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=32, help="at most the bench passage's 148 tokens")
     p.add_argument("--output-len", type=int, default=200)
     p.add_argument("--runs", type=int, default=2, help="runs per process")
     p.add_argument("--rounds", type=int, default=6)
@@ -68,7 +48,10 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help="(internal) one side's runs, printed as JSON")
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.num_running[0], args.output_len, args.runs)))
+        from host_contention import core_runs  # (this folder is first on sys.path; cbjax is the checkout's)
+
+        medians = core_runs(args.model, args.runs, args.num_running[0], prompt_len=args.prompt_len, output_len=args.output_len)
+        print(json.dumps([round(ms, 3) for ms in medians]))
         return
     if args.old is None:
         p.error("--old is required: the checkout to compare with")

@@ -23,11 +23,15 @@ from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, hos
 
 
 def core_runs(model: str, runs: int, num_running: int = 256, max_model_len: int = 1024,
-              profile: cProfile.Profile | None = None) -> list[float]:
-    """Each run's median wall ms per decode step; `profile`, if given, records the steps (only them)."""
+              profile: cProfile.Profile | None = None, prompt_len: int | None = None,
+              output_len: int | None = None) -> list[float]:
+    """Each run's median wall ms per decode step; `profile`, if given, records the steps (only them).
+    The requests' prompt and output lengths are `cbjax bench host`'s defaults unless given."""
     parser = argparse.ArgumentParser()
     add_host_parser(parser.add_subparsers())
-    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", str(max_model_len)])
+    lengths = [*(["--prompt-len", str(prompt_len)] if prompt_len else []), *(["--output-len", str(output_len)] if output_len else [])]
+    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", str(max_model_len),
+                              *lengths])
     engine, timeline = build_standin_engine(args, max_model_len)
     engine.send_progress()
     passage = engine.tokenizer.encode(PASSAGE)
