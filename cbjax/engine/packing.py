@@ -56,8 +56,8 @@ class PackedLayout:
 def pack(tree: Any) -> np.ndarray:
     """Flatten a pytree of 32-bit numpy arrays into one int32 vector (read-only).
 
-    Each leaf's bytes joined: 0.6x the time of viewing each leaf as int32 and concatenating (about
-    25 leaves, every step)."""
+    Each leaf's bytes joined: fewer numpy calls per leaf than viewing each as int32 and
+    concatenating (about 25 leaves, every step)."""
     return np.frombuffer(b"".join([leaf.tobytes() for leaf in jax.tree_util.tree_leaves(tree)]), np.int32)
 
 

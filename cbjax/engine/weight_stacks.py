@@ -1,16 +1,18 @@
 """How the weights travel into a step: the vectors stacked, so a call passes fewer arrays.
 
 A compiled step's call costs the host about half a microsecond per argument array on this
-project's CPUs (PjRt's per-buffer work, not Python: benchmarks/step_dispatch.py); a GPU
-client does per-buffer work on its host too (not yet measured there). SmolLM2's 276 weight arrays include 61 norm vectors of 576 values; sent as one
-[61, 576] array, the call passes 216. Inside the step each is a row read by a static index,
-which XLA fuses into the elementwise op that uses it (the norm's scale, a bias add): nothing is
-copied, and every value is the same.
+project's CPUs (PjRt's per-buffer work, not Python: benchmarks/step_dispatch.py); a GPU client
+does per-buffer work on its host too (not yet measured there). SmolLM2's 186 weight arrays (its
+projections fused) include 61 norm vectors of 576 values; sent as one [61, 576] array, the call
+passes 126. Inside the step each is a row read by a static index, which XLA fuses into the
+elementwise op that uses it (the norm's scale, a bias add): nothing is copied, and every value is
+the same.
 
 Only vectors (norm scales, biases) are stacked: a row of a stack of matrices that feeds a dot is
 a copy on XLA:CPU (benchmarks/stacked_matrices.py: 30 float32 [576, 1536] kernels, stacked, ran a
-30-dot chain 1.3-2.4x slower than as 30 arrays; in bfloat16, whose dots are slower, 0.91-1.04x). And only vectors whole on every device they live on (replicated), with the same
-shape, dtype and devices, so the stack has one sharding, the same as each of them.
+30-dot chain 1.3-2.4x slower than as 30 arrays; in bfloat16, whose dots are slower, 0.91-1.04x).
+And only vectors whole on every device they live on (replicated), with the same shape, dtype and
+devices, so the stack has one sharding, the same as each of them.
 """
 
 from __future__ import annotations
