@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
 bash scripts/fetch_model.sh
-.venv/bin/python -m cbjax.demo --model checkpoints/smollm2-135m-instruct "$@"
+.venv/bin/python -m cbjax.entrypoints.demo --model checkpoints/smollm2-135m-instruct "$@"

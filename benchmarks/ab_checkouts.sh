@@ -17,7 +17,7 @@ for round in $(seq "$rounds"); do
   for side in old new; do
     dir=$old; extra=(); [[ $side == new ]] && dir=$new && extra=("$@")
     out=$(realpath bench_results)/ab_${side}_${round}.json
-    (cd "$dir" && PYTHONPATH=$dir CBJAX_DISABLE_COMPILE_CACHE=1 "$venv/bin/python" -m cbjax.cli bench throughput \
+    (cd "$dir" && PYTHONPATH=$dir CBJAX_DISABLE_COMPILE_CACHE=1 "$venv/bin/python" -m cbjax bench throughput \
       "${args[@]}" "${extra[@]}" --result-json "$out" > /dev/null 2>&1)
     m=$(python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['medians']['continuous']; print(f\"{m['output_throughput']:.1f} out tok/s, {m['num_steps']} steps, {m['num_preemptions']} preemptions\")" "$out")
     echo "$side round $round: $m ($(uptime | sed 's/.*load average/load/'))"

@@ -1,5 +1,5 @@
 """A/B: handing a step's outputs to AsyncLLM's streams one call_soon_threadsafe per output, or one
-per step and event loop (`cbjax.engine.core.deliver_all`); prints one JSON object.
+per step and event loop (`cbjax.engine.core_client.deliver_all`); prints one JSON object.
 
     PYTHONPATH=. python benchmarks/async_delivery_ab.py --streams 256 --steps 200 --rounds 3
 
@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 
-from cbjax.engine.core import LoopQueueSink, deliver, deliver_all
+from cbjax.engine.core_client import LoopQueueSink, deliver, deliver_all
 
 
 def run_side(side: str, num_streams: int, num_steps: int) -> dict[str, float]:

@@ -22,9 +22,9 @@ import statistics
 
 from cbjax.bench.common import add_dataset_args, synthetic_requests
 from cbjax.bench.peers import drive_engine
-from cbjax.cli_args import add_engine_args, engine_options
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
+from cbjax.entrypoints.cli.args import add_engine_args, engine_options
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
 from cbjax.sampling_params import SamplingParams
 
 

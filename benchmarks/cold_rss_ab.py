@@ -25,7 +25,7 @@ SETTINGS = ("keep", "release")
 
 
 def child(model: str, setting: str, cpu_count: int | None) -> dict:
-    import cbjax.engine.runner as runner_module
+    import cbjax.worker.model_runner as runner_module
     from cbjax import LLM
 
     if cpu_count is not None:  # the runner compiles on os.cpu_count() threads: as on a machine with this many cores

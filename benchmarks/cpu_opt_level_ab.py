@@ -18,7 +18,7 @@ from unittest import mock
 
 import numpy as np
 
-import cbjax.engine.compile_cache as compile_cache
+import cbjax.worker.compilation.compile_cache as compile_cache
 from benchmarks.alternate import alternate_generate, medians
 from cbjax import LLM, SamplingParams
 from cbjax.bench.common import write_json

@@ -28,7 +28,7 @@ from flax import nnx
 from cbjax.checkpoint.loader import load_model
 from cbjax.models.llama import init_kv_pool
 from kernels_cpu import ragged_paged_attention_cpu
-from kernels_pallas.backend import AttentionPlan
+from cbjax.models.layers.attention import AttentionPlan
 from kernels_pallas.reference import (
     AttentionMetadata,
     mixed_paged_attention_reference,

@@ -14,8 +14,8 @@ import argparse
 import functools
 from unittest import mock
 
-import cbjax.engine.buckets as buckets
-import cbjax.engine.runner as runner_module
+import cbjax.worker.compilation.buckets as buckets
+import cbjax.worker.model_runner as runner_module
 from benchmarks.alternate import alternate_generate, medians
 from cbjax import LLM, SamplingParams
 from cbjax.bench.common import write_json

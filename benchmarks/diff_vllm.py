@@ -123,7 +123,7 @@ def probes(cases: list[dict]) -> list[dict]:
 
 def ensure_model(model: str, hf_dir: str) -> None:
     """The HF directory and the converted checkpoint, made as scripts/fetch_model.sh makes them if missing."""
-    from cbjax.cli import main as cbjax_cli
+    from cbjax.entrypoints.cli.main import main as cbjax_cli
 
     if not (pathlib.Path(hf_dir) / "config.json").exists():
         from cbjax.checkpoint.smollm2 import fetch_smollm2_gguf

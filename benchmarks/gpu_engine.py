@@ -23,12 +23,12 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.kernels import copy_bandwidth
-from cbjax.config import ModelConfig, RopeScaling
-from cbjax.engine.buckets import pick_bucket
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.request import Request
-from cbjax.engine.runner import ModelRunner
-from cbjax.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cbjax.models.config import ModelConfig, RopeScaling
+from cbjax.worker.compilation.buckets import pick_bucket
+from cbjax.config import EngineConfig
+from cbjax.core.request import Request
+from cbjax.worker.model_runner import ModelRunner
+from cbjax.core.sched.scheduler import ScheduledRequest, SchedulerOutput
 from cbjax.models.llama import LlamaForCausalLM
 from cbjax.sampling_params import SamplingParams
 

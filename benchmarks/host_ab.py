@@ -31,7 +31,7 @@ def run_bench(checkout: pathlib.Path, args: argparse.Namespace, extra: list[str]
     with tempfile.TemporaryDirectory() as folder:
         path = pathlib.Path(folder) / "host.json"
         command = [
-            sys.executable, "-m", "cbjax.cli", "bench", "host", "--model", str(pathlib.Path(args.model).resolve()),
+            sys.executable, "-m", "cbjax", "bench", "host", "--model", str(pathlib.Path(args.model).resolve()),
             "--num-running", *map(str, args.num_running), "--max-model-lens", *map(str, args.max_model_lens),
             "--delays-ms", *map(str, args.delays_ms), "--variants", *args.variants, "--async-scheduling", "on",
             "--engine-process", args.engine_process, "--repeats", str(args.repeats), "--result-json", str(path), *extra,

@@ -4,7 +4,7 @@
 
 One stand-in engine (`cbjax bench host`'s) runs the same workload with
 `ModelRunner.follow_decode_steps` on and off, alternating; prints the host critical path per step
-(0 ms device) of each run. Off, every step is prepared row by row (cbjax/engine/runner.py `prepare`).
+(0 ms device) of each run. Off, every step is prepared row by row (cbjax/worker/model_runner.py `prepare`).
 """
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ from collections import defaultdict
 
 import numpy as np
 
-from cbjax.cli_args import add_engine_args, engine_options
-from cbjax.engine.block_manager import BlockManager
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
-from cbjax.engine.request import Request
-from cbjax.engine.scheduler import Scheduler
+from cbjax.entrypoints.cli.args import add_engine_args, engine_options
+from cbjax.core.kv.block_manager import BlockManager
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.core.request import Request
+from cbjax.core.sched.scheduler import Scheduler
 from cbjax.sampling_params import SamplingParams
 
 

@@ -86,7 +86,7 @@ TINY_CPU = Shapes(
 
 def run_gpu_tests(timeout_s: int) -> dict:
     """The gpu-marked kernel tests, in a subprocess so a crash there can't take the benchmark down."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernels.py"]
     try:
         done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

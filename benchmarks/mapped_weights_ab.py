@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from cbjax import LLM
-from cbjax.engine.buckets import Bucket
-from cbjax.engine.packing import pack
+from cbjax.worker.compilation.buckets import Bucket
+from cbjax.worker.packing import pack
 
 MODEL = "checkpoints/smollm2-135m-instruct"
 BUCKETS = [Bucket("decode", 16, 16), Bucket("decode", 64, 64), Bucket("mixed", 64, 64), Bucket("mixed", 512, 64)]

@@ -16,8 +16,8 @@ import statistics
 from benchmarks.prefill_buckets_ab import prefill_run
 from cbjax.bench.common import warm_up
 from cbjax.bench.recorder import StepRecorder
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ from cbjax.bench.metrics import serving_metrics
 from cbjax.bench.recorder import StepRecorder
 from cbjax.bench.serve import run_serve
 from cbjax.bench.throughput import run_throughput
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
 from cbjax.sampling_params import SamplingParams
 
 VARIANTS = ("powers", "midpoints")

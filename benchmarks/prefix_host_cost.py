@@ -15,8 +15,8 @@ import json
 import statistics
 import time
 
-from cbjax.engine.block_manager import BlockManager
-from cbjax.engine.request import Request
+from cbjax.core.kv.block_manager import BlockManager
+from cbjax.core.request import Request
 from cbjax.sampling_params import SamplingParams
 
 

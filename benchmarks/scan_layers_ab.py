@@ -57,7 +57,7 @@ def build(dtype: str, num_blocks: int):
 
     from cbjax.checkpoint.loader import load_model
     from cbjax.models.llama import init_kv_pool
-    from kernels_pallas.backend import AttentionPlan
+    from cbjax.models.layers.attention import AttentionPlan
     from kernels_pallas.reference import AttentionMetadata
 
     model, config = load_model(CHECKPOINT, dtype, "float32")

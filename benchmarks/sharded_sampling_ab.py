@@ -20,11 +20,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cbjax.engine.penalty_state import init_penalty_state
-from cbjax.engine.sampler import SamplingRow, build_sampling_tensors, sample
-from cbjax.engine.sharded_sampling import sample_vocab_sharded
+from cbjax.worker.sample.penalty_state import init_penalty_state
+from cbjax.worker.sample.sampler import SamplingRow, build_sampling_tensors, sample
+from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.sampling_params import SamplingParams
-from kernels_pallas.backend import MODEL_AXIS
+from cbjax.models.layers.attention import MODEL_AXIS
 
 
 def time_ms(fn, *args) -> float:

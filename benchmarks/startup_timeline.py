@@ -42,11 +42,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     args = parser.parse_args()
-    import cbjax.engine.engine as engine_module
+    import cbjax.engine.llm_engine as engine_module
     import kernels_cpu.registry as kernel_registry
     from cbjax import LLM
-    from cbjax.engine.compile_cache import StepCache
-    from cbjax.engine.runner import ModelRunner
+    from cbjax.worker.compilation.compile_cache import StepCache
+    from cbjax.worker.model_runner import ModelRunner
 
     wrap(kernel_registry, "build", "kernel build")
     wrap(engine_module, "load_model", "load weights")

@@ -20,11 +20,11 @@ import time
 import jax.numpy as jnp
 
 from cbjax.bench.common import write_json
-from cbjax.engine import runner as runner_module
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
-from cbjax.engine.logprobs import no_logprobs
-from cbjax.engine.sampler import SamplerOutput
+from cbjax.worker import model_runner as runner_module
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.worker.sample.logprobs import no_logprobs
+from cbjax.worker.sample.sampler import SamplerOutput
 
 
 def argmax_sampler(logits, tensors, penalty_state, num_logprobs):

@@ -25,9 +25,9 @@ import statistics
 import time
 
 from cbjax.bench.common import write_json
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
-from cbjax.engine.packing import pack
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.worker.packing import pack
 
 
 def cpu_seconds() -> float:

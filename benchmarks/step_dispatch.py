@@ -25,7 +25,7 @@ from flax import nnx
 
 from cbjax.bench.host import add_host_parser, build_standin_engine
 from cbjax.bench.standin_device import StandInStep
-from cbjax.engine.weight_stacks import WeightStacks
+from cbjax.worker.weight_stacks import WeightStacks
 
 
 def per_call_us(call, state, calls: int, times: list[float]):

@@ -16,8 +16,8 @@ import argparse
 import hashlib
 import re
 
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.engine import LLMEngine
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
 
 
 def normalized_entry(hlo: str) -> list[str]:

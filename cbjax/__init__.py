@@ -1,9 +1,9 @@
 """cbjax: continuous batching over a paged KV cache, in JAX, with Pallas attention kernels."""
 
-from cbjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from cbjax.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from cbjax.engine.async_llm import AsyncLLM
-from cbjax.engine.config import EngineConfig
-from cbjax.llm import LLM
+from cbjax.config import EngineConfig
+from cbjax.entrypoints.llm import LLM
 from cbjax.outputs import CompletionOutput, RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 

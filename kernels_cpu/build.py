@@ -37,7 +37,7 @@ def cache_dir() -> pathlib.Path:
     if os.environ.get("CBJAX_KERNEL_CACHE"):
         return pathlib.Path(os.environ["CBJAX_KERNEL_CACHE"])
     # Imported here: `import cbjax` pulls in the engine, whose model imports the kernels, so a
-    # module-level import would make `import kernels_pallas.backend` alone a circular import.
+    # module-level import would make `import cbjax.models.layers.attention` alone a circular import.
     from cbjax.paths import cache_dir as cbjax_cache_dir
 
     try:

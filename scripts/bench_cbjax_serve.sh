@@ -17,7 +17,7 @@ rates=("$@")
 [[ $# -eq 0 ]] && rates=(1 2 4)
 mkdir -p bench_results
 port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-PYTHONPATH=$PWD "$py" -m cbjax.cli serve "${MODEL:-checkpoints/smollm2-135m-instruct}" --host 127.0.0.1 \
+PYTHONPATH=$PWD "$py" -m cbjax serve "${MODEL:-checkpoints/smollm2-135m-instruct}" --host 127.0.0.1 \
   --port "$port" --max-num-seqs 16 --max-model-len 1024 --dtype float32 --compilation-cache-dir .jax_cache ${SERVE_FLAGS:-} \
   > bench_results/cbjax_serve.log 2>&1 &
 pid=$!

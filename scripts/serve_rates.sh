@@ -24,7 +24,7 @@ drive_rates() {
   shift 2
   for rate in "$@"; do
     curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_before"
-    "$py" -m cbjax.cli bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
+    "$py" -m cbjax bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rate" \
       --num-prompts "${NUM_PROMPTS:-32}" --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --range-ratio 0.5 \
       --dataset-seed "$seed" --metric-percentiles 50,99 --result-json "bench_results/${name}_rate$rate.json"
     curl -sf "http://127.0.0.1:$port/metrics" > "bench_results/${name}_rate$rate.metrics_after"

@@ -6,9 +6,9 @@ import jax
 import pytest
 
 # The tests build many throwaway tiny models: keep their steps out of the user's compilation cache
-# (tests/test_compile_cache.py turns it on in its own processes).
+# (tests/worker/test_compile_cache.py turns it on in its own processes).
 os.environ.setdefault("CBJAX_DISABLE_COMPILE_CACHE", "1")
-# Nor their weights in the user's weights cache (tests/test_weights_cache.py turns it on in a temp folder).
+# Nor their weights in the user's weights cache (tests/checkpoint/test_weights_cache.py turns it on in a temp folder).
 os.environ.setdefault("CBJAX_DISABLE_WEIGHTS_CACHE", "1")
 
 
@@ -22,7 +22,7 @@ def has_gpu() -> bool:
 if has_gpu():
     # XLA on NVIDIA GPUs gives float32 dots TF32 inputs by default; the tests' float32 references
     # (jnp attention, numpy, transformers on CPU) are exact, and so is the engine at float32
-    # (cbjax/engine/runner.py: matmul_precision), so the test code's own dots must be too.
+    # (cbjax/worker/model_runner.py: matmul_precision), so the test code's own dots must be too.
     jax.config.update("jax_default_matmul_precision", "highest")
 
 

@@ -18,7 +18,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before j
 from multihost_options import ENGINE_OPTIONS, MAX_TOKENS, prompts  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
-from cbjax.engine.multihost import PeerLostError  # noqa: E402
+from cbjax.worker.distributed.multihost import PeerLostError  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ class ServerProcess:
     def __init__(self, model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None, timeout: float = 300):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "cbjax.cli", "serve", str(model), "--port", str(self.port), *flags]
+        command = [sys.executable, "-m", "cbjax", "serve", str(model), "--port", str(self.port), *flags]
         environment = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])} | (env or {})
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=environment)

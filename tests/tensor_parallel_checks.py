@@ -24,23 +24,23 @@ from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
 from cbjax.checkpoint.params import expected_params, param_name  # noqa: E402
-from cbjax.engine.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
-from cbjax.plan import load_model_config  # noqa: E402
+from cbjax.worker.compilation.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
+from cbjax.plan.capacity import load_model_config  # noqa: E402
 from cbjax.checkpoint.convert import PARAMS_DIR  # noqa: E402
 from cbjax.checkpoint.loader import _restore_orbax  # noqa: E402
-from cbjax.config import ModelConfig  # noqa: E402
-from cbjax.engine.config import EngineConfig  # noqa: E402
-from cbjax.engine.sharding import TensorParallel  # noqa: E402
-from cbjax.engine.engine import LLMEngine  # noqa: E402
-from cbjax.engine.penalty_state import NO_SLOT, init_penalty_state  # noqa: E402
-from cbjax.engine.sampler import SamplingRow, SamplingTensors, build_sampling_tensors, sample  # noqa: E402
-from cbjax.engine.sharded_sampling import (  # noqa: E402
+from cbjax.models.config import ModelConfig  # noqa: E402
+from cbjax.config import EngineConfig  # noqa: E402
+from cbjax.worker.distributed.sharding import TensorParallel  # noqa: E402
+from cbjax.engine.llm_engine import LLMEngine  # noqa: E402
+from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state  # noqa: E402
+from cbjax.worker.sample.sampler import SamplingRow, SamplingTensors, build_sampling_tensors, sample  # noqa: E402
+from cbjax.worker.sample.sharded import (  # noqa: E402
     SHARD_CANDIDATES,
     needs_whole_rows,
     sample_from_candidates,
     sample_vocab_sharded,
 )
-from kernels_pallas.backend import MODEL_AXIS  # noqa: E402
+from cbjax.models.layers.attention import MODEL_AXIS  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at

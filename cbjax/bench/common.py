@@ -10,7 +10,7 @@ import platform
 import statistics
 from typing import Any
 
-from cbjax.cli_args import engine_options
+from cbjax.entrypoints.cli.args import engine_options
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace, **overrides: Any):
-    from cbjax.engine.config import EngineConfig
-    from cbjax.engine.engine import LLMEngine
+    from cbjax.config import EngineConfig
+    from cbjax.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=args.model, **(engine_options(args) | overrides)))
 

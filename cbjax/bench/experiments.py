@@ -24,7 +24,7 @@ import numpy as np
 from cbjax.bench.common import (
     fmt, add_dataset_args, add_output_args, build_engine, environment, print_table, serve_once, warm_up, write_json,
 )
-from cbjax.cli_args import add_engine_args
+from cbjax.entrypoints.cli.args import add_engine_args
 
 
 # ---- prefill-stall -------------------------------------------------------------------
@@ -101,9 +101,9 @@ def cmd_prefill_stall(args: argparse.Namespace) -> None:
 def simulate_paged(requests, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                    max_num_batched_tokens: int) -> dict[str, Any]:
     """Run the engine's Scheduler + BlockManager over `requests` (all queued at once) without a model."""
-    from cbjax.engine.block_manager import BlockManager
-    from cbjax.engine.request import Request
-    from cbjax.engine.scheduler import Scheduler
+    from cbjax.core.kv.block_manager import BlockManager
+    from cbjax.core.request import Request
+    from cbjax.core.sched.scheduler import Scheduler
     from cbjax.sampling_params import SamplingParams
 
     blocks = BlockManager(num_blocks, block_size)
@@ -137,7 +137,7 @@ def cmd_kv_capacity(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
 
     from cbjax.bench.dataset import random_requests
-    from cbjax.config import ModelConfig
+    from cbjax.models.config import ModelConfig
     from cbjax.models.llama import kv_cache_bytes_per_block
 
     config = ModelConfig.from_dir(args.model)

@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from cbjax.bench.common import environment, print_table, write_json
-from cbjax.cli_args import add_engine_args, engine_options
+from cbjax.entrypoints.cli.args import add_engine_args, engine_options
 
 PASSAGE = (
     "The river begins as snow on the high peaks, melts in the spring sun and gathers in small streams "
@@ -178,8 +178,8 @@ def medians_by_setting(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def build_standin_engine(args: argparse.Namespace, max_model_len: int):
     """An engine for `max_model_len` whose device is the stand-in; the pool holds just the workload."""
     from cbjax.bench.standin_device import install_standin
-    from cbjax.engine.config import EngineConfig
-    from cbjax.engine.engine import LLMEngine
+    from cbjax.config import EngineConfig
+    from cbjax.engine.llm_engine import LLMEngine
 
     max_running = max(args.num_running)
     longest = args.prompt_len + max(output_lens(args.output_len, max_running, args.finish))
@@ -201,7 +201,7 @@ def build_standin_core(args: argparse.Namespace, max_model_len: int) -> Any:
 
 
 def cmd_host(args: argparse.Namespace) -> None:
-    from cbjax.engine.engine_process import EngineProcess
+    from cbjax.engine.process_client import EngineProcess
 
     runs = []
     for max_model_len in args.max_model_lens:

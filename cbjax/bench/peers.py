@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from cbjax.bench.dataset import prefix_requests, random_requests
-    from cbjax.config import ModelConfig
+    from cbjax.models.config import ModelConfig
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
     if args.dataset == "prefix":

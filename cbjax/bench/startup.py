@@ -55,10 +55,10 @@ def compiles(events: dict[str, int]) -> int:
 
 def child(model: str, options: dict) -> None:
     """Build LLM(model) once, timing its phases; print them as JSON."""
-    import cbjax.engine.engine as engine_module
+    import cbjax.engine.llm_engine as engine_module
     from cbjax import LLM
-    from cbjax.engine.runner import ModelRunner
-    from cbjax.tokenizer import Tokenizer
+    from cbjax.worker.model_runner import ModelRunner
+    from cbjax.tokenizer.tokenizer import Tokenizer
 
     # Python's start and the imports (`-m cbjax.bench.startup` imports cbjax before child() runs).
     phases = {"python start + imports": time.time() - float(os.environ[SPAWN_TIME_ENV])}
@@ -82,7 +82,7 @@ def child(model: str, options: dict) -> None:
 
 def child_generate(model: str, flags: list[str]) -> None:
     """`cbjax generate --chat` as a user runs it, then its XLA compile count on the last stdout line."""
-    from cbjax.cli import main as cli_main
+    from cbjax.entrypoints.cli.main import main as cli_main
 
     cache_events = count_compiles()
     cli_main(["generate", "--model", model, "--chat", CHAT, "--max-tokens", "16", *flags])

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params
 from cbjax.checkpoint.safetensors_io import count_tensors, iter_tensors, safetensors_files
-from cbjax.config import SUPPORTED_DTYPES, ModelConfig
+from cbjax.models.config import SUPPORTED_DTYPES, ModelConfig
 
 PARAMS_DIR = "params"
 COPIED_FILES = (

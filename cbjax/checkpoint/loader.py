@@ -15,13 +15,13 @@ from flax import nnx
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
 from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
 from cbjax.checkpoint.weights_cache import cached_weights
-from cbjax.config import ModelConfig
+from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
 from cbjax.models.llama import LlamaForCausalLM, fuse_projections, pack_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 if TYPE_CHECKING:
-    from cbjax.engine.sharding import TensorParallel
+    from cbjax.worker.distributed.sharding import TensorParallel
 
 
 def load_model(

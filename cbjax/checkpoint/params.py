@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cbjax.config import ModelConfig
+from cbjax.models.config import ModelConfig
 from cbjax.models.llama import LlamaForCausalLM
 
 # Buffers some checkpoints carry that are recomputed from the config, never loaded.

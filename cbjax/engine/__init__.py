@@ -1,1 +1,1 @@
-"""The serving engine: requests, block allocation, scheduling, and the device step."""
+"""The front end, no JAX: LLMEngine, AsyncLLM, the engine-core clients and output processing."""

@@ -12,13 +12,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from cbjax.engine.config import EngineConfig
-from cbjax.engine.core import EngineCore, EngineDeadError, LoopQueueSink, StatLogger
-from cbjax.engine.engine import LLMEngine, Prompt
-from cbjax.engine.engine_process import EngineProcess, build_engine
+from cbjax.config import EngineConfig
+from cbjax.engine.core_client import EngineCore, EngineDeadError, LoopQueueSink, StatLogger
+from cbjax.engine.llm_engine import LLMEngine, Prompt
+from cbjax.engine.process_client import EngineProcess, build_engine
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
-from cbjax.tokenizer import Tokenizer
+from cbjax.tokenizer.tokenizer import Tokenizer
 
 
 StatLoggerFactory = Callable[[EngineConfig], StatLogger]

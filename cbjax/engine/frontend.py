@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterable
 
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest
-from cbjax.engine.progress import ChildState, StepProgress
-from cbjax.engine.request import Request, RequestStatus
+from cbjax.engine.protocol import ChildState, StepProgress
+from cbjax.core.request import Request, RequestStatus
 from cbjax.engine.request_book import Progressed, RequestBook
-from cbjax.engine.runner import SampledTokens
+from cbjax.worker.model_runner import SampledTokens
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
-from cbjax.tokenizer import Tokenizer
+from cbjax.tokenizer.tokenizer import Tokenizer
 
 _GONE = Request("(gone)", [0], None)  # the row of a request this side no longer holds: skipped as finished
 _GONE.status = RequestStatus.FINISHED_ABORTED

@@ -14,11 +14,11 @@ import dataclasses
 import functools
 
 from cbjax.engine.parallel_sampling import ParentRequest
-from cbjax.engine.request import Request, RequestStatus
-from cbjax.engine.runner import PromptLogprobsChunk, SampledTokens
+from cbjax.core.request import Request, RequestStatus
+from cbjax.worker.model_runner import PromptLogprobsChunk, SampledTokens
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cbjax.sampling_params import RequestOutputKind
-from cbjax.tokenizer import IncrementalDetokenizer, Tokenizer
+from cbjax.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED  # an enum member looked up on its class costs ~70 ns
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cbjax.engine.prefix_cache import computes_whole_prompt
-from cbjax.engine.request import Request
+from cbjax.core.kv.prefix_cache import computes_whole_prompt
+from cbjax.core.request import Request
 from cbjax.sampling_params import SamplingParams
 
 

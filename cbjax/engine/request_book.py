@@ -13,11 +13,11 @@ from typing import Any
 
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
-from cbjax.engine.request import Request, RequestStatus
-from cbjax.engine.runner import SampledTokens
+from cbjax.core.request import Request, RequestStatus
+from cbjax.worker.model_runner import SampledTokens
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
-from cbjax.tokenizer import Tokenizer
+from cbjax.tokenizer.tokenizer import Tokenizer
 
 Prompt = str | dict[str, Any]
 

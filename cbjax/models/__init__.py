@@ -1,5 +1,1 @@
-"""Llama-family transformer in flax.nnx."""
-
-from cbjax.models.llama import LlamaForCausalLM, init_kv_pool, kv_cache_bytes_per_block
-
-__all__ = ["LlamaForCausalLM", "init_kv_pool", "kv_cache_bytes_per_block"]
+"""The model families in flax.nnx, behind one registry; importing this package imports no JAX."""

@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from cbjax.config import ModelConfig
-from cbjax.models.rope import apply_rope, rope_inv_freq
+from cbjax.models.config import ModelConfig
+from cbjax.models.layers.rope import apply_rope, rope_inv_freq
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
-from kernels_pallas.backend import AttentionPlan, write_kv_and_attend
+from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
 from kernels_pallas.reference import AttentionMetadata
 
 KVPages = Float[Array, "kv_heads blocks block_size dim"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from cbjax.config import ModelConfig
+from cbjax.models.config import ModelConfig
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernels [in, out]: out split
 ROW_PARALLEL = ("o_proj", "down_proj")  # kernels [in, out]: in split; biases replicated (added after the all-reduce)

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from cbjax.engine.core import EngineDeadError
+from cbjax.engine.core_client import EngineDeadError
 from cbjax.entrypoints.openai.chat import conversation, create_chat_completion
 from cbjax.entrypoints.openai.completions import create_completion
 from cbjax.entrypoints.openai.errors import add_error_handlers, error_response
@@ -24,7 +24,7 @@ from cbjax.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from cbjax.entrypoints.openai.serving import ServerState, check_model, check_prompt_token_ids
-from cbjax.llm import chat_prompt
+from cbjax.entrypoints.llm import chat_prompt
 
 
 def cbjax_version() -> str:

@@ -24,7 +24,7 @@ from cbjax.entrypoints.openai.protocol import (
     random_id,
 )
 from cbjax.entrypoints.openai.serving import ServerState
-from cbjax.llm import chat_prompt
+from cbjax.entrypoints.llm import chat_prompt
 from cbjax.outputs import CompletionOutput, RequestOutput
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cbjax.engine.config import EngineConfig
+from cbjax.config import EngineConfig
 from cbjax.outputs import RequestOutput
 
 # vLLM's bucket edges (vllm/v1/metrics/loggers.py).

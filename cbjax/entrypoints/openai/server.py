@@ -18,7 +18,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
-from cbjax.cli_args import engine_options
+from cbjax.entrypoints.cli.args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger

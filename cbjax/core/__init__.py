@@ -1,0 +1,1 @@
+"""The engine core's host policy, no JAX: the schedule -> execute -> update loop, request state, scheduling and KV blocks."""

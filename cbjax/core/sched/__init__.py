@@ -1,0 +1,1 @@
+"""Scheduling: which requests compute how many tokens each step, under which policy."""

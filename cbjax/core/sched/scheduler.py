@@ -1,0 +1,388 @@
+"""Continuous batching: which requests compute how many tokens each step (vLLM V1 policy).
+
+There is no separate prefill phase. Each step has a budget of max_num_batched_tokens:
+running requests go first, in admission order (one token for a decode, the next chunk
+of a partly computed prompt), then waiting requests are admitted in arrival order
+while there are seats, budget and blocks. At most max_num_prefills requests compute
+more than one token in a step (the jnp attention sizes its query tiles by it); a
+prompt chunk beyond that waits for the next step. A running request that cannot get a block
+preempts the most recently admitted running request (possibly itself) by recompute,
+and nobody new is admitted in that step.
+
+Progress is counted when a step is scheduled (vLLM V1's way): a request's num_computed_tokens
+covers the tokens of launched steps, and a token such a step will sample is a placeholder
+(`num_output_placeholders`) until `update` reads it. So the next step can be scheduled while
+one runs (async scheduling): a request whose sampled token is still a placeholder decodes it,
+the runner taking its value on the device.
+
+A waiting request starts after the longest chain of its blocks found in the prefix cache
+(the block manager's answer); it needs blocks only for the rest. A request can be held
+until another request has computed its prompt (the completions of one prompt, n > 1), so
+that it finds that prompt's blocks cached instead of computing them again.
+"""
+
+import functools
+import logging
+import operator
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from cbjax.core.kv.block_manager import BlockManager
+from cbjax.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING  # an enum member looked up on its class costs ~70 ns: once here, not per row
+
+
+class ScheduledRequest(NamedTuple):  # a tuple: hundreds are made every step
+    """Compute tokens start ... start + num_new_tokens - 1 of `request` (the last may be a
+    placeholder: the token the previous step samples)."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # the request's num_computed_tokens before this step
+    samples: bool  # after this step every token is computed, so a new one is sampled
+
+
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
+# ScheduledRequest((request, ...)) without the Python-level __new__ a NamedTuple has: the same tuple, made in C.
+_scheduled_request = functools.partial(tuple.__new__, ScheduledRequest)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str]
+    # The scheduled requests that got blocks in this schedule (the others' block_ids did not change):
+    # what a step that follows the previous one sends of the block tables (persistent_batch.py).
+    allocated: list[Request] = field(default_factory=list)
+    # The rows' num_new_tokens added up, if the scheduler counted them as it went (else summed when asked).
+    num_tokens: int | None = None
+
+    @functools.cached_property
+    def num_scheduled_tokens(self) -> int:
+        return sum(map(_NUM_NEW_TOKENS, self.scheduled)) if self.num_tokens is None else self.num_tokens
+
+    @functools.cached_property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request adds exactly one token (an empty step is not a decode step)."""
+        # Each scheduled request adds at least one token: one each iff as many tokens as requests.
+        return bool(self.scheduled) and self.num_scheduled_tokens == len(self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_manager: BlockManager,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        max_num_prefills: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        for name, value in [
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name} is {value}; it must be at least 1")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens is {max_num_batched_tokens}, below max_model_len "
+                f"{max_model_len}, and chunked prefill is off, so a long prompt could never "
+                f"be scheduled; raise max_num_batched_tokens to {max_model_len} or set "
+                "enable_chunked_prefill=True"
+            )
+        if max_num_prefills is not None and max_num_prefills < 1:
+            raise ValueError(f"max_num_prefills is {max_num_prefills}; it must be at least 1 or None (no limit)")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold is {long_prefill_token_threshold}; "
+                "it must be 0 (off) or positive"
+            )
+        if long_prefill_token_threshold and not enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold is {long_prefill_token_threshold}, which splits "
+                "prompts into chunks, but chunked prefill is off; set it to 0 or set "
+                "enable_chunked_prefill=True"
+            )
+        blocks_per_request = block_manager.blocks_needed(max_model_len)
+        if blocks_per_request > block_manager.num_usable_blocks:
+            raise ValueError(
+                f"one request of max_model_len {max_model_len} needs {blocks_per_request} "
+                f"blocks of {block_manager.block_size} tokens; the pool has "
+                f"{block_manager.num_usable_blocks}; give the KV cache more blocks or "
+                "lower max_model_len"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_prefills = max_num_prefills
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
+        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.held)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request, wait_for: Request | None = None) -> None:
+        """Queue `request`; with `wait_for`, only once that request's prompt is computed (or it finished)."""
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"request id {request.request_id!r} is already in use; give each request a unique id"
+            )
+        if not 1 <= request.num_tokens <= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id} has {request.num_tokens} tokens; it needs "
+                f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        params = request.sampling_params
+        request.max_num_tokens = self.max_model_len
+        if params.max_tokens is not None:
+            request.max_num_tokens = min(self.max_model_len, request.num_prompt_tokens + params.max_tokens)
+        request.stop_check_ids = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else request.eos_token_ids)
+        self.requests[request.request_id] = request
+        if wait_for is None:
+            self.waiting.append(request)
+        else:
+            self.held[request] = wait_for
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop an unfinished request and free its blocks; None if it is unknown or finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish an unfinished request with `status` (e.g. a stop string matched)."""
+        if not status.is_finished:
+            raise ValueError(f"status {status.name} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.held:
+            del self.held[request]
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; the block_ids of every scheduled request cover its new tokens."""
+        self._release_held()
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        allocated: list[Request] = []
+
+        num_prefills = 0  # scheduled requests computing more than one token
+        prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
+        block_manager = self.block_manager
+        block_size, free_queue = block_manager.block_size, block_manager.free_queue
+
+        # A for loop over the running list, though preemption pops from its end: a list's iterator
+        # stops at the list's current length, and every victim lies after the row being scheduled.
+        for request in self.running:
+            if token_budget <= 0:
+                break
+            start, pending = request.num_computed_tokens, request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + pending
+            if num_tokens == start + 1 and (not pending or num_tokens < request.max_num_tokens):
+                # A decode (what _num_new_tokens, the block check, _allocate and _advance decide for
+                # it, without the calls: hundreds a step): with room in its last block, most requests
+                # most steps; or starting a block, one in block_size, with a block free to take.
+                capacity = len(request.block_ids) * block_size
+                if start < capacity or (start == capacity and free_queue):
+                    if start == capacity:
+                        block_manager.append_free_block(request)
+                        allocated.append(request)
+                    request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
+                    scheduled.append(_scheduled_request((request, 1, start, True)))
+                    token_budget -= 1
+                    continue
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
+            if num_new_tokens == 0:
+                continue
+            # Most steps most requests decode with room in their last block: nothing to allocate or
+            # check (block_manager.num_missing_blocks() > 0, without the call).
+            needs_blocks = request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_size
+            while needs_blocks and not block_manager.can_allocate(request, num_new_tokens):
+                victim = self.running.pop()  # scheduled requests sit before this one: never victims
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                if needs_blocks:
+                    scheduled.append(self._allocate(request, num_new_tokens))
+                    allocated.append(request)
+                else:
+                    scheduled.append(self._advance(request, num_new_tokens))
+                token_budget -= num_new_tokens
+                if num_new_tokens > 1:
+                    num_prefills += 1
+                    prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
+                continue
+            break  # it preempted itself: nobody after it is left
+
+        while (
+            not preempted
+            and self.waiting
+            and token_budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks = self.block_manager.get_computed_blocks(request)
+            num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
+            num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left, num_cached_tokens)
+            if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens, computed_blocks):
+                break  # strict arrival order: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+                request.num_cached_tokens = num_cached_tokens
+            self.running.append(request)
+            scheduled.append(self._allocate(request, num_new_tokens, computed_blocks))
+            allocated.append(request)
+            token_budget -= num_new_tokens
+            if num_new_tokens > 1:
+                num_prefills += 1
+                prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
+
+        return SchedulerOutput(scheduled, [request.request_id for request in preempted], allocated,
+                               self.max_num_batched_tokens - token_budget)
+
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int],
+               skipped: list[Request] | None = None) -> list[Request]:
+        """Record the step's sampled tokens (one per scheduled request that samples, in their order)
+        and cache the blocks it filled; return the requests that finished, in that order. A request
+        finished since the step was scheduled (an abort, or a stop found in the step before) is
+        skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given)."""
+        finished = []
+        block_manager = self.block_manager
+        # Blocks to register in the prefix cache: a running request's computed tokens fill one past
+        # those it registered (BlockManager.cache_full_blocks's work), checked inline for every row.
+        caching, block_size = block_manager.enable_caching, block_manager.block_size
+        rows = scheduler_output.scheduled
+        if len(sampled_token_ids) < len(rows):  # (where every row samples, as in most steps, the column is per row)
+            sampled = iter(sampled_token_ids)
+            sampled_token_ids = [next(sampled) if row.samples else None for row in rows]
+        for (request, _, _, samples), token_id in zip(rows, sampled_token_ids):
+            status = request.status
+            if status is not _RUNNING and status.is_finished:  # (else running, or preempted since it was scheduled)
+                if skipped is not None:
+                    skipped.append(request)
+                continue
+            if samples:
+                request.num_output_placeholders -= 1
+                request.output_token_ids.append(token_id)  # Request.append_output_token, inlined: every token
+                request.all_token_ids.append(token_id)
+                if request.first_token_time is None:
+                    request.first_token_time = self.clock()
+            # (a request preempted since holds no blocks)
+            if caching and status is _RUNNING and (
+                request.num_computed_tokens >= (request.num_registered_blocks + 1) * block_size
+            ):
+                block_manager.cache_full_blocks(request)
+            # Most tokens neither reach the length limit nor are a stop id: no stop check to run.
+            if samples and (len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids):
+                stop_status = self._stop_status(request)
+                if stop_status is not None:
+                    self.finish_request(request.request_id, stop_status)
+                    finished.append(request)
+        return finished
+
+    def _num_new_tokens(
+        self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0
+    ) -> int:
+        """Tokens to compute for `request` this step (after `num_cached_tokens` found cached); 0 if all
+        must wait. `token_budget` is at least 1."""
+        pending = request.num_output_placeholders
+        num_tokens = len(request.all_token_ids) + pending
+        if pending and num_tokens >= request.max_num_tokens:
+            return 0  # its pending token ends it (by length): a step for it would be thrown away
+        num_new_tokens = num_tokens - request.num_computed_tokens - num_cached_tokens
+        if num_new_tokens == 1:  # a decode: no limit below applies to it
+            return 1
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        if num_new_tokens > token_budget:
+            num_new_tokens = token_budget if self.enable_chunked_prefill else 0
+        if num_new_tokens > 1 and not prefills_left:
+            return 0  # this step already has max_num_prefills prompt chunks
+        return num_new_tokens
+
+    def _allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> ScheduledRequest:
+        self.block_manager.allocate(request, num_new_tokens, computed_blocks)
+        return self._advance(request, num_new_tokens)
+
+    def _advance(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Count `num_new_tokens` of `request` as computed by this step (its blocks already hold them)."""
+        start = request.num_computed_tokens
+        samples = start + num_new_tokens == len(request.all_token_ids) + request.num_output_placeholders
+        request.num_computed_tokens += num_new_tokens
+        request.num_output_placeholders += samples
+        return ScheduledRequest(request, num_new_tokens, start, samples)
+
+    def _release_held(self) -> None:
+        """Queue, first in line, the held requests whose awaited prompt is computed (or never will be)."""
+        ready = [r for r, source in self.held.items() if source.is_finished or source.num_output_tokens > 0]
+        for request in reversed(ready):
+            del self.held[request]
+            self.waiting.appendleft(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free `request`'s blocks and queue it first in line to recompute everything."""
+        logger.info(
+            "preempted request %s: %d tokens to recompute", request.request_id, request.num_tokens
+        )
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        """vLLM's stop check, run after each sampled token: length first (max_model_len or
+        max_tokens reached), then eos and stop ids."""
+        if len(request.all_token_ids) >= request.max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        last_token_id = request.output_token_ids[-1]
+        params = request.sampling_params
+        if last_token_id not in request.stop_check_ids or request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            request.stop_reason = last_token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        del self.requests[request.request_id]
+        self.block_manager.free(request)
+        request.status = status
+        request.finished_time = self.clock()

@@ -1,0 +1,57 @@
+"""What an engine core in its own process sends its front end after every step (vLLM's EngineCoreOutputs).
+
+Columns and tuples, not an object per request: a step of 256 streams is pickled, sent and read in
+well under a tenth of a millisecond. The front end (frontend.py) applies them, in field order, to
+its mirrors of the core's requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from cbjax.core.request import Request
+from cbjax.worker.model_runner import PromptLogprobsChunk
+
+
+class ChildState(NamedTuple):
+    """A request's state where the front end cannot see it change: its finish, or its first token."""
+
+    request_id: str  # the scheduler's (child) id
+    status: int  # RequestStatus value
+    stop_reason: int | str | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> ChildState:
+        return cls(request.request_id, request.status._value_, request.stop_reason, request.first_scheduled_time,
+                   request.first_token_time, request.finished_time, request.num_cached_tokens, request.num_preemptions)
+
+
+@dataclasses.dataclass
+class StepProgress:
+    """One engine-core step, in the order the core applied it."""
+
+    rejected: list[tuple[str, str]]  # (request id, why): adds the core refused (ValueError's message)
+    aborted: list[ChildState]  # children of the requests aborted before the step's tokens were read
+    row_ids: list[str] | None  # the step's sampling rows' request ids (None: the previous step's), then
+    skipped: list[int]  # rows of requests finished before the step was read: no token for them
+    token_ids: list[int]  # their columns (SampledTokens'); logprobs and ranks empty where no row asked for logprobs
+    logprobs: list[float]
+    ranks: list[int]
+    top: dict[int, tuple[list[int], list[float]]]
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
+    started: list[ChildState]  # requests whose first output token this is (their times, cached tokens)
+    finished: list[ChildState]  # rows the step finished (eos, stop token ids, length)
+    preempted: list[str]  # requests the step's schedule preempted
+    stats: dict[str, Any]  # LLMEngine.get_stats() after the step
+    num_step_tokens: int  # tokens the latest step computed
+
+
+def empty_progress(stats: dict[str, Any], rejected: list[tuple[str, str]] = (), aborted: list[ChildState] = ()) -> StepProgress:
+    """A message with no step: rejections and aborts applied while no step ran."""
+    return StepProgress(list(rejected), list(aborted), None, [], [], [], [], {}, {}, [], [], [], stats, 0)

@@ -1,0 +1,1 @@
+"""`cbjax`: the command line, one module per command."""

@@ -1,0 +1,38 @@
+"""`cbjax plan`: the capacity planner's flags and output."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from cbjax.plan.accelerators import ACCELERATORS
+
+    p = sub.add_parser("plan", help="weights, KV capacity and a decode roofline per device under tensor parallelism")
+    p.add_argument("--config", required=True, help="a preset (e.g. llama-3-70b), a config.json or a model directory")
+    p.add_argument("--device", required=True, choices=list(ACCELERATORS))
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's, min(model's limit, 2048)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--context-len", type=int, default=None, help="context of every sequence in the roofline (default max_model_len)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from cbjax.plan.accelerators import accelerator
+    from cbjax.plan.capacity import format_plan, load_model_config, plan_capacity
+
+    try:
+        name, config = load_model_config(args.config)
+        plan = plan_capacity(
+            name, config, accelerator(args.device), args.tensor_parallel_size, max_model_len=args.max_model_len,
+            dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+            block_size=args.block_size, context_len=args.context_len,
+        )
+    except ValueError as error:
+        sys.exit(f"cbjax plan: {error}")
+    print(format_plan(plan))

@@ -1,0 +1,172 @@
+"""Configuration dataclasses: the model's shape, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+# config.json files without "architectures" (e.g. written from a bare config) still name their model_type.
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for long context (HF `rope_type`)."""
+
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 0  # llama3 only
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder; hashable, so it can be static under jit."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # biases on q/k/v projections
+    attention_out_bias: bool  # bias on o_proj (Llama/Qwen3 `attention_bias`; never for Qwen2)
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm of q and k before RoPE
+    dtype: str  # the checkpoint's own dtype, one of SUPPORTED_DTYPES
+    bos_token_id: int | None
+    eos_token_id: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} does not exist; pass a Hugging Face model directory or a converted checkpoint")
+        return cls.from_hf_config(json.loads(config_path.read_text()))
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Read a transformers 4.x or 5.x config.json dict; reject what the engine cannot run exactly."""
+        architecture = _architecture(hf)
+        hidden_act = hf.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; supported: 'silu'")
+        num_attention_heads = hf["num_attention_heads"]
+        num_key_value_heads = hf.get("num_key_value_heads") or num_attention_heads
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={num_key_value_heads}; grouped-query attention needs it to be"
+            )
+        rope_theta, rope_scaling = _rope(hf)
+        _reject_sliding_window(hf, architecture)
+        is_qwen2, is_qwen3 = architecture == "Qwen2ForCausalLM", architecture == "Qwen3ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_attention_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=is_qwen2 or attention_bias,
+            attention_out_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
+            dtype=_dtype(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    architectures = hf.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type", ""), "")]
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        named = architecture or f"model_type={hf.get('model_type')!r}"
+        raise ValueError(f"architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return architecture
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling from 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; only full rotary (1.0) is")
+    if rope_type == "default":
+        return rope_theta, RopeScaling()
+    if rope_type == "linear":
+        return rope_theta, RopeScaling("linear", factor=float(params["factor"]))
+    return rope_theta, RopeScaling(
+        "llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        ),
+    )
+
+
+def _reject_sliding_window(hf: dict[str, Any], architecture: str) -> None:
+    """Sliding-window attention is not implemented: refuse any config where the window would bind.
+
+    A window at least max_position_embeddings long never masks anything, so it is exact to ignore.
+    A shorter one would silently change outputs past the window, so it is an error, with the fix.
+    """
+    window = hf.get("sliding_window")
+    max_positions = hf.get("max_position_embeddings", 2048)
+    if window is None or window >= max_positions:
+        return
+    if "layer_types" in hf and hf["layer_types"] is not None:
+        in_use = "sliding_attention" in hf["layer_types"]
+    elif architecture == "MistralForCausalLM":
+        in_use = True
+    else:  # Qwen2/3 without layer_types (4.x): the window applies only when enabled, from max_window_layers on
+        in_use = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+    if in_use:
+        raise ValueError(
+            f"sliding_window={window} < max_position_embeddings={max_positions}: sliding-window attention is "
+            f"not supported; set \"sliding_window\": null in config.json to run full attention (identical "
+            f"for sequences up to {window} tokens)"
+        )
+
+
+def _dtype(hf: dict[str, Any]) -> str:
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype!r} in config.json is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return dtype

@@ -1,0 +1,1 @@
+"""Layers shared by the model families: attention dispatch, rotary embeddings."""

@@ -1,0 +1,1 @@
+"""`cbjax plan`: what a model needs per device, and a decode roofline."""

@@ -1,0 +1,226 @@
+"""`cbjax plan`: what a model needs per device under tensor parallelism, and a decode roofline.
+
+Everything comes from the engine's own code: the model's parameters are those the engine builds
+(shapes only, nothing allocated), split by the Megatron rules of `models/tensor_parallel.py`; the
+pool's bytes per block are `kv_cache_bytes_per_block`, and its size is `plan_num_blocks` given
+the device's published memory with the weights in use. Presets (cbjax/presets/*.json) are the
+Hugging Face config.json files of meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-8B,
+Llama-3.1-70B and Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from cbjax.plan.accelerators import Accelerator
+from cbjax.models.config import ModelConfig
+from cbjax.config import EngineConfig
+from cbjax.core.kv.sizing import plan_num_blocks
+from cbjax.worker.model_runner import kv_cache_dtype
+from cbjax.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
+from cbjax.models.tensor_parallel import (
+    check_tensor_parallel,
+    kv_heads_per_device,
+    shard_shape,
+    valid_tensor_parallel_sizes,
+)
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+ROOFLINE_BATCH_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflinePoint:
+    """One decode step of `batch_size` sequences, each attending over the plan's context_len."""
+
+    batch_size: int
+    bytes_read: int  # per device: its weight shard plus the batch's KV
+    step_ms: float
+    tokens_per_s: float
+    fits: bool  # the batch's KV fits in the pool
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    model: str
+    device: Accelerator
+    tensor_parallel_size: int
+    dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    block_size: int
+    gpu_memory_utilization: float
+    weight_bytes_per_device: int
+    kv_heads_per_device: int
+    kv_head_replicas: int  # devices holding each KV head (1: no replication)
+    kv_bytes_per_token_per_device: int
+    kv_replication_bytes_per_token: int  # per device, over what an even split of the heads would take
+    num_kv_blocks: int  # per device, the null block included
+    max_concurrent_tokens: int
+    max_concurrent_seqs: int  # of max_model_len tokens each
+    context_len: int
+    roofline: tuple[RooflinePoint, ...]
+
+
+def load_model_config(config_or_preset: str) -> tuple[str, ModelConfig]:
+    """A preset name, a config.json file or a directory holding one -> (a name for it, the config)."""
+    preset = PRESETS_DIR / f"{config_or_preset}.json"
+    path = Path(config_or_preset)
+    if preset.is_file():
+        path = preset
+    elif path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+        raise ValueError(f"{config_or_preset!r} is neither a preset ({presets}) nor a config.json file or directory")
+    return config_or_preset, ModelConfig.from_hf_config(json.loads(path.read_text()))
+
+
+def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int) -> int:
+    """Bytes of one device's shard of every parameter of `model` (a one-layer abstract model)."""
+    total = 0
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        value = variable.get_value()
+        nbytes = math.prod(shard_shape(path, value.shape, config, tensor_parallel_size)) * value.dtype.itemsize
+        total += nbytes * (config.num_hidden_layers if "layers" in path else 1)
+    return total
+
+
+class _PlannedDevice:
+    """What plan_num_blocks reads of a device: its memory, with the weights already in use."""
+
+    platform = "gpu"
+
+    def __init__(self, memory_bytes: int, bytes_in_use: int):
+        self._stats = {"bytes_limit": memory_bytes, "bytes_in_use": bytes_in_use}
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._stats
+
+
+def plan_capacity(
+    name: str,
+    config: ModelConfig,
+    device: Accelerator,
+    tensor_parallel_size: int = 1,
+    *,
+    max_model_len: int | None = None,
+    dtype: str = "auto",
+    kv_cache_dtype_name: str = "auto",
+    gpu_memory_utilization: float = 0.9,
+    block_size: int = 16,
+    context_len: int | None = None,
+) -> CapacityPlan:
+    """The plan for serving `config` on `tensor_parallel_size` devices; ValueError if it cannot run."""
+    check_tensor_parallel(config, tensor_parallel_size)
+    engine_config = EngineConfig(
+        model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+    )
+    engine_config.resolve(config.max_position_embeddings)
+    max_model_len = engine_config.max_model_len
+    weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
+    one_layer = dataclasses.replace(config, num_hidden_layers=1)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(one_layer, dtype=weight_dtype, rngs=nnx.Rngs(0)))
+    weights = weight_bytes_per_device(model, config, tensor_parallel_size)
+    usable = int(device.memory_bytes * gpu_memory_utilization)
+    if weights >= usable:
+        fitting = [n for n in valid_tensor_parallel_sizes(config) if weight_bytes_per_device(model, config, n) < usable]
+        fix = f"use tensor_parallel_size={fitting[0]}, " if fitting else "no valid tensor_parallel_size fits; use "
+        raise ValueError(
+            f"the weights take {weights / 2**30:.1f} GiB per device at tensor_parallel_size={tensor_parallel_size}; "
+            f"one {device.name} gives {usable / 2**30:.1f} GiB at gpu_memory_utilization={gpu_memory_utilization}; "
+            f"{fix}a smaller dtype or a larger device"
+        )
+    pool_dtype = kv_cache_dtype(kv_cache_dtype_name, model)
+    heads = kv_heads_per_device(config.num_key_value_heads, tensor_parallel_size)
+    device_config = dataclasses.replace(config, num_key_value_heads=heads)
+    bytes_per_block = kv_cache_bytes_per_block(device_config, block_size, pool_dtype)
+    kv_per_token = bytes_per_block // block_size
+    even_split = kv_per_token * config.num_key_value_heads / (heads * tensor_parallel_size)
+    num_blocks = plan_num_blocks(
+        bytes_per_block=bytes_per_block, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=engine_config.max_num_seqs, num_kv_blocks=None, kv_cache_memory_bytes=None,
+        gpu_memory_utilization=gpu_memory_utilization, device=_PlannedDevice(device.memory_bytes, weights),
+    )
+    max_tokens = (num_blocks - 1) * block_size
+    context_len = context_len or max_model_len
+    return CapacityPlan(
+        model=name,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=jnp.dtype(weight_dtype).name,
+        kv_cache_dtype=jnp.dtype(pool_dtype).name,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weight_bytes_per_device=weights,
+        kv_heads_per_device=heads,
+        kv_head_replicas=heads * tensor_parallel_size // config.num_key_value_heads,
+        kv_bytes_per_token_per_device=kv_per_token,
+        kv_replication_bytes_per_token=round(kv_per_token - even_split),
+        num_kv_blocks=num_blocks,
+        max_concurrent_tokens=max_tokens,
+        max_concurrent_seqs=(num_blocks - 1) // -(-max_model_len // block_size),
+        context_len=context_len,
+        roofline=tuple(
+            decode_roofline(
+                b, weights, kv_per_token, context_len, device.bandwidth_bytes_per_s,
+                fits=b * -(-context_len // block_size) <= num_blocks - 1,
+            )
+            for b in ROOFLINE_BATCH_SIZES
+        ),
+    )
+
+
+def decode_roofline(
+    batch_size: int, weight_bytes: int, kv_bytes_per_token: int, context_len: int, bandwidth: float, fits: bool
+) -> RooflinePoint:
+    """A memory-bound decode step: every device reads its weight shard and the batch's KV once."""
+    bytes_read = weight_bytes + batch_size * context_len * kv_bytes_per_token
+    step_s = bytes_read / bandwidth
+    return RooflinePoint(batch_size, bytes_read, step_s * 1e3, batch_size / step_s, fits)
+
+
+def format_plan(plan: CapacityPlan) -> str:
+    """The plan as the text `cbjax plan` prints."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    device, n = plan.device, plan.tensor_parallel_size
+    lines = [
+        f"{plan.model} on {n} x {device.description} ({gib(device.memory_bytes)}, "
+        f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}, KV cache {plan.kv_cache_dtype}",
+        f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)",
+        f"KV heads per device:           {plan.kv_heads_per_device}",
+    ]
+    if plan.kv_head_replicas > 1:
+        lines.append(
+            f"KV heads replicated:           each KV head is held by {plan.kv_head_replicas} devices (fewer KV heads "
+            f"than devices); it costs {plan.kv_replication_bytes_per_token:,} bytes per token per device"
+        )
+    usable = int(device.memory_bytes * plan.gpu_memory_utilization)
+    lines += [
+        f"KV cache per token per device: {plan.kv_bytes_per_token_per_device:,} bytes",
+        f"KV pool per device:            {gib(usable - plan.weight_bytes_per_device)} of {gib(usable)} "
+        f"(gpu_memory_utilization={plan.gpu_memory_utilization}) after the weights; step activations not counted "
+        f"(the engine measures them at start-up)",
+        f"KV blocks:                     {plan.num_kv_blocks - 1:,} of {plan.block_size} tokens (+ the null block)",
+        f"most concurrent tokens:        {plan.max_concurrent_tokens:,}",
+        f"most concurrent sequences:     {plan.max_concurrent_seqs:,} of max_model_len={plan.max_model_len}",
+        "",
+        f"decode roofline: per step each device reads its weights and the batch's KV at context length "
+        f"{plan.context_len}, at {device.bandwidth_bytes_per_s / 1e12:.3g} TB/s (memory-bound; no compute, "
+        f"all-reduce or host time)",
+        f"{'batch':>6} {'GiB read/device':>15} {'step ms':>8} {'tokens/s':>10}",
+    ]
+    for point in plan.roofline:
+        note = "" if point.fits else "  (KV does not fit)"
+        lines.append(
+            f"{point.batch_size:>6} {point.bytes_read / 2**30:>15.2f} {point.step_ms:>8.2f} {point.tokens_per_s:>10,.0f}{note}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The device side: the model runner, its input batch, compilation, sampling and distribution."""

@@ -1,0 +1,1 @@
+"""The steps' compilation: buckets, the persistent caches, precompilation and lowering."""

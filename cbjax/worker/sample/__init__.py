@@ -1,0 +1,1 @@
+"""On-device sampling inside the jitted step: the sampler and its stages."""

@@ -1,0 +1,255 @@
+"""The engine core in its own process (AsyncLLM(engine_process=True)): the same outputs as the engine
+core thread, stop strings found by the front end, rejections, aborts, freed blocks, a dead core."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
+from test_engine import hf_greedy
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax import AsyncLLM, RequestOutputKind, SamplingParams
+from cbjax.config import EngineConfig
+from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.engine.frontend import Frontend
+from cbjax.engine.protocol import ChildState, empty_progress
+from cbjax.core.request import RequestStatus
+from cbjax.tokenizer.tokenizer import Tokenizer
+
+# A small pool: 16 requests of up to ~40 tokens do not all fit at once, so some are preempted.
+OPTIONS = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_kv_blocks=20,
+               dtype="float32")
+PROMPT = [5, 17, 42, 99, 7, 3, 250]
+KINDS = list(RequestOutputKind)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("engine-process"), "llama")
+
+
+@pytest.fixture(scope="module")
+def in_thread(tiny):
+    llm = AsyncLLM.from_engine(LLMEngine(EngineConfig(model=str(tiny[1]), **OPTIONS), progress=False))
+    yield llm
+    llm.shutdown(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny):
+    llm = AsyncLLM(str(tiny[1]), engine_process=True, progress=False, **OPTIONS)
+    yield llm
+    llm.shutdown(timeout=30)
+
+
+async def collect(llm, prompt, params, request_id):
+    return [output async for output in llm.generate(prompt, params, request_id)]
+
+
+def run_all(llm, requests):
+    async def run():
+        return await asyncio.gather(*[collect(llm, prompt, params, rid) for rid, prompt, params in requests])
+
+    return dict(zip([rid for rid, _, _ in requests], asyncio.run(run())))
+
+
+def wait_idle(llm, timeout=10):
+    """The stats once every request left and its blocks are back (they come with the core's next message)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = asyncio.run(llm.get_stats())
+        if stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
+        time.sleep(0.02)
+    raise AssertionError(f"not idle after {timeout} s: {stats}")
+
+
+def completions(outputs, kind):
+    """Per completion: what the caller ends with (DELTA: every delta joined; else the last output)."""
+    last = outputs[-1]
+    assert last.finished and all(not o.finished for o in outputs[:-1])
+    result = []
+    for index, completion in enumerate(last.outputs):
+        if kind is RequestOutputKind.DELTA:
+            parts = [o.outputs[index] for o in outputs]
+            text, token_ids = "".join(p.text for p in parts), [t for p in parts for t in p.token_ids]
+            logprobs = [d for p in parts for d in (p.logprobs or [])] if completion.logprobs is not None else None
+        else:
+            text, token_ids, logprobs = completion.text, completion.token_ids, completion.logprobs
+        result.append((text, token_ids, completion.finish_reason, completion.stop_reason, logprobs,
+                       completion.cumulative_logprob))
+    return result, last.prompt_logprobs
+
+
+def random_workload(rng: random.Random, stops: list[str], count: int):
+    requests = []
+    for i in range(count):
+        kind = rng.choice(KINDS)
+        options = dict(max_tokens=rng.randint(1, 30), output_kind=kind, ignore_eos=rng.random() < 0.5)
+        if rng.random() < 0.5:
+            options |= dict(temperature=0.9, seed=rng.randint(0, 1000), top_k=rng.choice([0, 20]))
+        else:
+            options |= dict(temperature=0.0)
+        if rng.random() < 0.4:
+            options["stop"] = [rng.choice(stops)]
+            options["include_stop_str_in_output"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            options["stop_token_ids"] = [rng.randrange(300)]
+        if rng.random() < 0.3:
+            options |= dict(logprobs=2, prompt_logprobs=1)
+        if rng.random() < 0.2:
+            options |= dict(n=2, temperature=0.9, seed=rng.randint(0, 1000))
+        if rng.random() < 0.2:
+            options |= dict(presence_penalty=0.5, repetition_penalty=1.2)
+        prompt = [rng.randrange(1, 300) for _ in range(rng.randint(1, 12))]
+        requests.append((f"w{i}", {"prompt_token_ids": prompt}, SamplingParams(**options)))
+    return requests
+
+
+def test_outputs_match_the_engine_core_thread_on_a_random_workload(in_thread, in_process, tiny):
+    # Stop strings the tiny model really produces: pieces of its greedy text after PROMPT.
+    probe = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    (reference,) = run_all(in_thread, [("probe", {"prompt_token_ids": PROMPT}, probe)])["probe"]
+    text = reference.outputs[0].text
+    assert reference.outputs[0].token_ids == hf_greedy(tiny[0], PROMPT, 24)
+    stops = [text[i : i + 2] for i in range(2, len(text) - 2, 3) if text[i : i + 2].strip()] or [text[-2:]]
+    rng = random.Random(0)
+    requests = random_workload(rng, stops, 16)
+    # The probe's prompt with each stop string: a stop the front end finds for sure.
+    requests += [(f"stop{i}", {"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], output_kind=kind))
+        for i, (stop, kind) in enumerate(zip(stops, KINDS * len(stops)))]
+    want, got = run_all(in_thread, requests), run_all(in_process, requests)
+    for request_id, _, params in requests:
+        assert completions(got[request_id], params.output_kind) == completions(want[request_id], params.output_kind), request_id
+    stopped = [c for rid, _, _ in requests for c in want[rid][-1].outputs if isinstance(c.stop_reason, str)]
+    assert len(stopped) >= len(stops), "the stop strings were found"
+    assert wait_idle(in_process)["num_preemptions"] > 0, "the small pool preempted some requests"
+    wait_idle(in_thread)
+
+
+def test_a_stop_string_ends_the_stream_and_frees_the_core_blocks(in_process, in_thread):
+    def params(**stop):
+        return SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, output_kind=RequestOutputKind.DELTA, **stop)
+
+    full = "".join(o.outputs[0].text for o in run_all(in_thread, [("full", {"prompt_token_ids": PROMPT}, params())])["full"])
+    stop = full[4:6]
+    stopped = run_all(in_process, [("stopped", {"prompt_token_ids": PROMPT}, params(stop=[stop]))])["stopped"]
+    text = "".join(o.outputs[0].text for o in stopped)
+    assert stopped[-1].outputs[0].stop_reason == stop and stopped[-1].outputs[0].finish_reason == "stop"
+    assert full.startswith(text + stop) and stop not in text and len(stopped[-1].metrics.__dict__) > 0
+    assert sum(len(o.outputs[0].token_ids) for o in stopped) < 60
+    wait_idle(in_process)  # the core stopped it when told, and its blocks are back
+
+
+def test_the_front_end_gives_a_skipped_row_to_nobody(tiny):
+    """Made by hand, the messages of a race: "x" finishes (here by an abort; a stop string found
+    by the front end frees its id the same way, at once), a new "x" is added, and the core
+    sends the step it had in flight with the old "x" (a row it skipped): the new "x" gets nothing,
+    and its own first token lands on it."""
+    stops = []
+    frontend = Frontend(Tokenizer.from_dir(tiny[1]), [2], stops.append)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    frontend.add_request("x", [5, 6], params, 0.0, None)
+    first = frontend.apply(step(["x"], [11]))
+    old = frontend.book.requests["x"].children[0]
+    (delta,) = frontend.outputs(first)
+    assert delta.outputs[0].token_ids == [11] and not delta.finished
+    old_state = ChildState("x", RequestStatus.FINISHED_ABORTED.value, None, 1.0, 1.0, 2.0, 0, 0)
+    (final,) = frontend.outputs(frontend.apply(step([], [], aborted=[old_state])))
+    assert final.finished and final.outputs[0].finish_reason == "abort" and old.output_token_ids == [11]
+    frontend.add_request("x", [9, 9, 9], params, 3.0, None)
+    assert frontend.outputs(frontend.apply(step(["x"], [12], skipped=[0]))) == []  # the old x's row
+    new = frontend.book.requests["x"].children[0]
+    assert new is not old and new.output_token_ids == [] and old.output_token_ids == [11]
+    (delta,) = frontend.outputs(frontend.apply(step(["x"], [13])))
+    assert delta.outputs[0].token_ids == [13] and new.output_token_ids == [13] and stops == []
+
+
+def step(row_ids, token_ids, skipped=(), aborted=()):
+    progress = empty_progress({}, aborted=list(aborted))
+    progress.row_ids, progress.token_ids, progress.skipped = row_ids, token_ids, list(skipped)
+    return progress
+
+
+def test_bad_options_raise_in_the_caller_as_in_one_process(tiny):
+    options = {**OPTIONS, "num_kv_blocks": 3}  # fewer blocks than one max_model_len request needs
+    with pytest.raises(ValueError) as in_one_process:
+        LLMEngine(EngineConfig(model=str(tiny[1]), **options), progress=False)
+    with pytest.raises(ValueError) as in_a_child:
+        AsyncLLM(str(tiny[1]), engine_process=True, progress=False, **options)
+    assert str(in_a_child.value) == str(in_one_process.value)
+
+
+PARENT_BACKENDS = """
+import sys
+from jax._src import xla_bridge
+import cbjax.entrypoints.openai.server  # what cbjax serve imports
+from cbjax import AsyncLLM
+if __name__ == "__main__":
+    llm = AsyncLLM(sys.argv[1], engine_process=True, progress=False, **eval(sys.argv[2]))
+    print("backends:", sorted(xla_bridge._backends))
+    llm.shutdown(timeout=30)
+"""
+
+
+def test_the_parent_process_never_starts_a_jax_backend(tiny, tmp_path):
+    """On a GPU the first backend a process starts takes most of the GPU's memory: only the core may."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_BACKENDS)
+    done = subprocess.run([sys.executable, str(script), str(tiny[1]), repr(OPTIONS)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backends: []" in done.stdout
+
+
+def test_a_rejected_request_raises_while_its_neighbour_is_served(in_process, tiny):
+    rejected_requests_raise_while_a_neighbour_is_served(in_process, tiny[0])
+    wait_idle(in_process)
+
+
+def test_leaving_the_stream_early_aborts_the_request_and_frees_its_blocks(in_process):
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def read_then_leave():
+        async with contextlib.aclosing(in_process.generate({"prompt_token_ids": PROMPT}, params, "leaver")) as it:
+            async for _ in it:
+                break
+
+    asyncio.run(read_then_leave())
+    stats = wait_idle(in_process)
+    assert stats["num_running"] == 0
+
+
+def _exit_now(engine):
+    os._exit(3)
+
+
+def test_a_core_that_dies_fails_every_caller(in_process):
+    """Runs last in this module: it kills the shared engine core."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        stream = in_process.generate({"prompt_token_ids": PROMPT}, params, "doomed")
+        await anext(stream)  # it is running
+        with pytest.raises(EngineDeadError, match="exited"):
+            await asyncio.to_thread(in_process.core.call, _exit_now)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
+    with pytest.raises(EngineDeadError):
+        in_process.check_health()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(in_process, {"prompt_token_ids": PROMPT}, params, "after"))

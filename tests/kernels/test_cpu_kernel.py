@@ -1,0 +1,233 @@
+"""The C++ CPU attention kernel (kernels_cpu) equals the jnp reference, and its absence is survivable.
+
+Same rules as test_kernels.py: pools are NaN except each request's tokens, so reading a slot
+it should not gives NaN; lengths 0, 1, bs-1, bs, bs+1 and the maximum sit in the batches. The
+kernel is CPU-only (an XLA:CPU custom call), so there is no `cuda` lowering to check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_kernel_lowering import metadata as abstract_metadata
+from test_kernels import MAX_BLOCKS, SM_SCALE, Case, decode_lengths, fill_pool, mixed_batch, ragged_metadata, random_q
+
+import cbjax.models.layers.attention as backend
+from kernels_cpu import build as kernel_build
+from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
+
+CASES = [
+    Case(8, 16, 1, "float32"),
+    Case(16, 64, 3, "float16", num_kv_heads=3),  # SmolLM2's 9 q / 3 kv heads, float16 pool
+    Case(32, 128, 4, "bfloat16"),
+    Case(16, 20, 8, "float16", num_kv_heads=1),  # head_dim not a multiple of 8: the scalar tail
+    Case(8, 64, 2, "float32", num_kv_heads=4),
+]
+
+
+def jit_reference(q, k_pages, v_pages, metadata, block_q: int):
+    """The jnp reference compiled whole: op by op, each new batch shape cost seconds of small compiles."""
+    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q))(
+        q, k_pages, v_pages, metadata
+    )
+
+
+def run_both(case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int):
+    """The kernel and the reference on fill_pool's NaN-filled pools, with float32 queries (CPU activations)."""
+    rng = np.random.default_rng(seed)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    q = random_q(rng, case, num_tokens).astype(jnp.float32)
+    metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
+    out = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE))(q, k_pages, v_pages, metadata)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4)
+    return np.asarray(out), np.asarray(ref)
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray) -> None:
+    assert np.isfinite(out).all(), "kernel output has NaN/inf: it read a slot it should not have"
+    # Both compute in float32 from the same pool values: only summation order differs.
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_batch_equals_reference(case: Case):
+    seq_lens = decode_lengths(case.block_size)  # 0 (a padded row), 1, bs-1, bs, bs+1, max
+    q_lens = [min(1, s) for s in seq_lens]
+    out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + 2, seed=0)
+    assert_close(out, ref)
+    assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_mixed_batch_equals_reference(case: Case):
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)  # chunks, cached prefixes, decodes, padding
+    out, ref = run_both(case, q_lens, seq_lens, num_tokens, seed=1)
+    assert_close(out, ref)
+    assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
+
+
+def test_long_prefill_spans_several_query_tiles_and_key_chunks():
+    # 150 new tokens over a cached prefix of 100: 10 query tiles of 16, keys in chunks of 64.
+    case = Case(16, 32, 2, "float16")
+    seq_len = 250
+    rng = np.random.default_rng(2)
+    shape = (case.num_kv_heads, 1 + 16, case.block_size, case.head_dim)
+    k = np.full(shape, np.nan, np.float32)
+    v = np.full(shape, np.nan, np.float32)
+    k[:, 1:] = rng.normal(size=(case.num_kv_heads, 16, case.block_size, case.head_dim))
+    v[:, 1:] = rng.normal(size=(case.num_kv_heads, 16, case.block_size, case.head_dim))
+    table = rng.permutation(np.arange(1, 17))
+    k[:, table[-1], seq_len % 16 :] = np.nan  # the unused tail of the last page
+    v[:, table[-1], seq_len % 16 :] = np.nan
+    block_tables = jnp.asarray(table[None], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(160, 4, 32)), jnp.float32)
+    metadata = ragged_metadata([150], [seq_len], block_tables, 160)
+    k_pages, v_pages = jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16)
+    out = ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, SM_SCALE)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=16)
+    assert_close(np.asarray(out), np.asarray(ref))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, MAX_BLOCKS * 8), st.integers(0, MAX_BLOCKS * 8)), min_size=1, max_size=40
+    ),
+    extra_tokens=st.integers(0, 5),
+)
+def test_random_batches_equal_reference(requests: list[tuple[int, int]], extra_tokens: int):
+    """Any mix of (q_len <= seq_len) requests, enough of them to spread over the worker threads."""
+    case = Case(8, 16, 2, "float16")
+    q_lens = [min(q, s) for q, s in requests]
+    seq_lens = [s for _, s in requests]
+    out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + extra_tokens, seed=len(requests))
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
+def test_fused_write_equals_write_kv_then_attention(dtype):
+    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's."""
+    case = Case(8, 24, 2, "float32")
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
+    rng = np.random.default_rng(4)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    k_pages = jnp.nan_to_num(k_pages, nan=7.0).astype(dtype)  # finite, so pools compare bitwise
+    v_pages = jnp.nan_to_num(v_pages, nan=-7.0).astype(dtype)
+    # Each request's newest q_len tokens are the ones written; padding tokens go to the null block.
+    slots = np.zeros(num_tokens, np.int32)
+    offset = 0
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        positions = np.arange(seq_len - q_len, seq_len)
+        slots[offset : offset + q_len] = np.asarray(block_tables)[r, positions // 8] * 8 + positions % 8
+        offset += q_len
+    # Values that round differently in each pool dtype: tiny (half subnormals), huge (half overflow), NaN.
+    scale = rng.choice([1e-6, 1e-3, 1.0, 300.0, 7e4], size=(num_tokens, case.num_kv_heads, case.head_dim))
+    k = jnp.asarray(rng.normal(size=scale.shape) * scale, jnp.float32)
+    v = jnp.asarray(rng.normal(size=scale.shape) * scale, jnp.float32).at[0, 0, 0].set(jnp.nan)
+    q = jnp.asarray(rng.normal(size=(num_tokens, 4, case.head_dim)), jnp.float32)
+    metadata = dataclasses.replace(ragged_metadata(q_lens, seq_lens, block_tables, num_tokens), slot_mapping=jnp.asarray(slots))
+
+    out, k_out, v_out = jax.jit(functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE))(
+        q, k, v, k_pages, v_pages, metadata
+    )
+    k_ref, v_ref = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
+    bits = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):  # block 0 (the null block) holds garbage by contract
+        np.testing.assert_array_equal(np.asarray(got)[:, 1:].view(bits), np.asarray(want)[:, 1:].view(bits))
+    if dtype == jnp.float32:  # the huge values overflow 16-bit pools, so compare attention in float32 only
+        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4)
+        rows = np.arange(num_tokens) != 0  # token 0 (request 0) reads the NaN written into V
+        np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(ref)[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_fused_write_updates_a_donated_pool_in_place():
+    pool = jax.ShapeDtypeStruct((3, 512, 16, 64), jnp.float16)
+    new = jax.ShapeDtypeStruct((16, 3, 64), jnp.float32)
+    q = jax.ShapeDtypeStruct((16, 9, 64), jnp.float32)
+    metadata = abstract_metadata(num_tokens=16, num_reqs=16, max_blocks=32)
+    step = functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE)
+    compiled = jax.jit(step, donate_argnums=(3, 4)).lower(q, new, new, pool, pool, metadata).compile()
+    memory = compiled.memory_analysis()
+    pool_bytes = np.prod(pool.shape) * 2
+    assert memory.temp_size_in_bytes < pool_bytes // 8, "the fused write copies the pool instead of updating it"
+    assert memory.alias_size_in_bytes >= 2 * pool_bytes, "the donated pools are not aliased to the outputs"
+
+
+def test_pool_dtype_it_cannot_read_is_refused_with_the_fix():
+    case = Case(8, 16, 1, "float32")
+    k_pages, v_pages, block_tables = fill_pool(np.random.default_rng(0), case, [3])
+    metadata = ragged_metadata([1], [3], block_tables, 1)
+    q = jnp.zeros((1, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype="):
+        ragged_paged_attention_cpu(q, k_pages.astype(jnp.int8), v_pages.astype(jnp.int8), metadata, SM_SCALE)
+
+
+def test_build_without_a_compiler_names_it_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-cbjax")
+    with pytest.raises(kernel_build.KernelBuildError, match="no-such-compiler-cbjax.*install one"):
+        kernel_build.build()
+    assert not list(tmp_path.iterdir()), "a failed build must leave nothing behind"
+
+
+def test_a_broken_build_reports_the_compiler_error(tmp_path, monkeypatch):
+    source = tmp_path / "broken.cc"
+    source.write_text("this is not C++\n")
+    monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_build, "SOURCES", (source,))
+    with pytest.raises(kernel_build.KernelBuildError, match="compiling broken.cc failed"):
+        kernel_build.build()
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_auto_backend_falls_back_to_xla_with_the_reason(monkeypatch):
+    monkeypatch.setattr(backend, "kernel_problem", lambda wait=True: "KernelBuildError: no C++ compiler")
+    with pytest.warns(RuntimeWarning, match="no C.. compiler.*jnp reference"):
+        assert backend.resolve_backend.__wrapped__("auto") == "xla"
+    with pytest.raises(RuntimeError, match="attention_backend='cpp'.*no C.. compiler"):
+        backend.resolve_backend.__wrapped__("cpp")
+
+
+def test_steps_trace_while_the_kernel_builds_and_name_that_build():
+    """registration_deferred: lowering a call to the kernel does not wait for a build under way (the
+    engine's start-up traces its steps meanwhile), and names the targets as the build will."""
+    import threading
+
+    from kernels_cpu import registration_deferred, registry
+
+    build_hash = kernel_build.library_path(kernel_build.compiler()).stem.rsplit("_", 1)[-1]
+    pool = jax.ShapeDtypeStruct((1, 4, 8, 16), jnp.float32)
+    new = jax.ShapeDtypeStruct((2, 1, 16), jnp.float32)
+    lowered = {}
+
+    def lower() -> None:
+        with registration_deferred():
+            lowered["hlo"] = jax.jit(lambda *a: write_kv_and_attend_cpu(*a, sm_scale=0.25)).lower(
+                new, new, new, pool, pool, abstract_metadata(num_tokens=2, num_reqs=2, max_blocks=2)
+            ).as_text()
+
+    with registry._lock:  # a build under way (register_in_background holds this lock while it builds)
+        assert kernel_problem(wait=False) is None
+        tracer = threading.Thread(target=lower)
+        tracer.start()
+        tracer.join(timeout=60)
+        assert not tracer.is_alive(), "tracing under registration_deferred waited for the build"
+    assert f"CbjaxWriteKvAttentionF32_{build_hash}" in lowered["hlo"]
+
+
+def test_auto_backend_is_the_kernel_on_cpu():
+    assert kernel_problem() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.resolve_backend.__wrapped__("auto") == "cpp"

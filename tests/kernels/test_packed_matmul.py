@@ -1,0 +1,188 @@
+"""The C++ matmul over packed weights (kernels_cpu/packed_matmul.cc) against numpy, and packing at load.
+
+Sizes cover 0 and 1 rows, one short of, at and past a pass of rows (8 with AVX-512), K of 1, odd
+and not a multiple of anything, and 1 to several 32-column panels, for float32 and bfloat16
+weights (bfloat16: x rounded to bfloat16, products summed in float32, as XLA's bf16 dot). The
+kernel is an XLA:CPU custom call: there is no `cuda` lowering to check; its builds without
+AVX-512 and without the bf16 dot instruction are checked on this machine instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from helpers_hf import hf_logits, make_tiny_hf_model
+
+from cbjax.checkpoint import convert_checkpoint, load_model
+from cbjax.checkpoint.weights_cache import DISABLE_ENV
+from kernels_cpu import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from cbjax.models.layers.attention import AttentionPlan
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
+
+kernel = jax.jit(packed_matmul_cpu)
+
+
+def product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, n: int, dtype=np.float32):
+    """x (float32), w (`dtype`) and their product in float64, x rounded to w's dtype first."""
+    shape = rows if isinstance(rows, tuple) else (rows,)
+    x = rng.standard_normal((*shape, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(dtype)
+    return x, w, x.astype(dtype).astype(np.float64) @ w.astype(np.float64)
+
+
+def assert_product(out, expected, k: int) -> None:
+    out = np.asarray(out)
+    assert out.shape == expected.shape and out.dtype == np.float32
+    # float32 sums of k products of standard normals: errors grow like sqrt(k) * eps * |terms|
+    np.testing.assert_allclose(out, expected, atol=1e-5 * max(1, k) ** 0.5 * 4, rtol=1e-5)
+
+
+DTYPES = [np.float32, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 17, 67, (2, 3)])
+@pytest.mark.parametrize("k, n", [(1, 32), (5, 64), (576, 192), (1001, 96)])
+def test_kernel_equals_numpy_at_edge_sizes(rows, k, n, dtype):
+    x, w, expected = product(np.random.default_rng(k * 31 + n), rows, k, n, dtype)
+    packed = pack_weight(w)
+    assert_product(kernel(x, packed), expected, k)
+    assert_product(packed_matmul_reference(x, packed), expected, k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), k=st.integers(1, 300), panels=st.integers(1, 5), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from(DTYPES))
+def test_kernel_equals_numpy_on_random_sizes(rows, k, panels, seed, dtype):
+    x, w, expected = product(np.random.default_rng(seed), rows, k, 32 * panels, dtype)
+    assert_product(kernel(x, pack_weight(w)), expected, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_each_row_is_the_same_sum_whatever_the_batch(dtype):
+    """A request's product does not depend on how many rows share its step or where it sits."""
+    rng = np.random.default_rng(3)
+    x, w, _ = product(rng, 19, 384, 128, dtype)
+    packed = pack_weight(w)
+    whole = np.asarray(kernel(x, packed))
+    for row in (0, 7, 8, 18):
+        np.testing.assert_array_equal(np.asarray(kernel(x[row : row + 1], packed))[0], whole[row])
+        np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed))[0], whole[row])
+
+
+def test_packing_round_trips_and_refuses_what_it_cannot_pack():
+    w = np.arange(7 * 64, dtype=np.float32).reshape(7, 64)
+    packed = pack_weight(w)
+    assert packed.shape == (2, 7, 32) and packed.flags.c_contiguous
+    np.testing.assert_array_equal(packed[1, 3], w[3, 32:])
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(packed))), w)
+    half = w.astype(ml_dtypes.bfloat16)  # odd K: rows 2s and 2s+1 of each column side by side, a zero row last
+    pairs = pack_weight(half)
+    assert pairs.shape == (2, 4, 64) and pairs.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(pairs[1, 1, 4:6], half[2:4, 34])
+    np.testing.assert_array_equal(pairs[0, 3, 1::2], np.zeros(32, ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(pairs), 7)), half)
+    assert not packable((7, 48), np.float32) and not packable((7, 64), np.float16) and not packable((64,), np.float32)
+    with pytest.raises(ValueError, match=r"N a multiple of 32, got float32 \(7, 48\)"):
+        pack_weight(np.zeros((7, 48), np.float32))
+    with pytest.raises(ValueError, match="does not match a packed"):
+        packed_matmul_cpu(jnp.zeros((2, 5)), jnp.asarray(packed))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("packed")
+    # 16-wide k/v (one KV head of 16): those two stay unpacked beside the packed ones.
+    hf_dir = make_tiny_hf_model(tmp, "qwen2", num_key_value_heads=1, tie_word_embeddings=True)
+    return hf_dir, convert_checkpoint(hf_dir, tmp / "converted")
+
+
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
+def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
+    """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
+    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops)."""
+    import kernels_cpu.build as kernel_build
+
+    if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
+        pytest.skip("not an x86-64 CPU with AVX2")
+    if march == "x86-64-v4" and "avx512f" not in kernel_build.cpu_features().split():
+        pytest.skip("no AVX-512 here")
+    monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_build, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f for f in kernel_build.FLAGS))
+    library = ctypes.cdll.LoadLibrary(str(kernel_build.build()))
+    for dtype, symbol in [(np.float32, "CbjaxPackedMatmulF32"), (ml_dtypes.bfloat16, "CbjaxPackedMatmulBF16")]:
+        name = f"{symbol}_test_{march}"
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        for rows, k, n in [(1, 5, 32), (9, 577, 96), (17, 64, 64)]:
+            x, w, expected = product(np.random.default_rng(rows), rows, k, n, dtype)
+            out = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, n), jnp.float32))(x, pack_weight(w))
+            assert_product(out, expected, k)
+
+
+def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
+    """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
+    from kernels_pallas import AttentionMetadata
+    from cbjax.models.llama import init_kv_pool
+
+    n = len(token_ids)
+    caches = init_kv_pool(model.config, 4, 16, jnp.float32)
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.arange(16, 16 + n, dtype=jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
+        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.array([[1, 2]], jnp.int32),
+    )
+    logits, _ = model(jnp.array(token_ids), jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "xla"])
+def test_packed_model_matches_transformers_with_the_kernel_and_with_its_jnp_fallback(checkpoint, backend):
+    """backend "xla" is what the engine serves with if the C++ library fails to build after the weights were packed."""
+    hf_dir, converted = checkpoint
+    model, _ = load_model(converted, pack_for_cpu=True)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.kernel[...].shape == (2, 64, 32)
+    assert layer.self_attn.k_proj.kernel[...].shape == (64, 16)  # not a multiple of 32: as loaded
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    np.testing.assert_allclose(forward_logits(model, tokens, backend), hf_logits(hf_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_weights_stay_unpacked_and_a_bf16_checkpoint_packs_as_float32(checkpoint, tmp_path):
+    """The engine packs float32 weights only (llama.PACKED_DTYPES), and packs after the cast to
+    the served dtype: a checkpoint stored in bfloat16 and served in float32 gets float32 panels."""
+    hf_dir, converted = checkpoint
+    half, _ = load_model(converted, dtype="bfloat16", activation_dtype="float32", pack_for_cpu=True)
+    assert half.model.layers[0].mlp.up_proj.kernel[...].shape == (64, 128)
+    stored_bf16 = convert_checkpoint(hf_dir, tmp_path / "bf16", dtype="bfloat16")
+    full, _ = load_model(stored_bf16, dtype="float32", pack_for_cpu=True)
+    kernel = full.model.layers[0].mlp.up_proj.kernel[...]
+    assert kernel.shape == (4, 64, 32) and kernel.dtype == jnp.float32
+
+
+def test_weights_cache_keeps_the_packed_layout_apart(checkpoint, tmp_path, monkeypatch):
+    """The packed copy is cached beside the plain one (neither evicts the other) and mapped on the next load."""
+    _, converted = checkpoint
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    plain, _ = load_model(converted)
+    packed, _ = load_model(converted, pack_for_cpu=True)
+    files = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert len(files) == 2 and sum(f".{LAYOUT}-" in name for name in files) == 1, files
+
+    def no_restore(*args, **kwargs):
+        raise AssertionError("the second packed load must map the cached packed copy")
+
+    monkeypatch.setattr("cbjax.checkpoint.loader._restore_orbax", no_restore)
+    again, _ = load_model(converted, pack_for_cpu=True)
+    for model in (packed, again):
+        np.testing.assert_array_equal(
+            np.asarray(unpack_weight(model.model.layers[1].mlp.down_proj.kernel[...])),
+            np.asarray(plain.model.layers[1].mlp.down_proj.kernel[...]),
+        )

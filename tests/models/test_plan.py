@@ -1,0 +1,106 @@
+"""`cbjax plan`: per-device weights, KV capacity and the decode roofline, checked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from cbjax.plan.accelerators import ACCELERATORS, GiB, accelerator
+from cbjax.entrypoints.cli.main import main
+from cbjax.plan.capacity import load_model_config, plan_capacity
+
+
+def plan(preset: str, device: str, tp: int, **options):
+    name, config = load_model_config(preset)
+    return plan_capacity(name, config, ACCELERATORS[device], tp, **options)
+
+
+def test_llama3_8b_on_two_h100s_matches_the_arithmetic():
+    p = plan("llama-3-8b", "h100", 2, max_model_len=8192)
+    # Llama-3-8B: hidden 4096, 32 heads of 128, 8 KV heads, intermediate 14336, 32 layers, vocab 128256, bf16.
+    # Per layer and device: q and o 4096*4096/2 each, k and v 4096*1024/2 each, gate/up/down 4096*14336/2 each,
+    # two norms of 4096 (replicated); embedding and LM head 128256*4096/2 each; the final norm 4096.
+    per_layer = 2 * 4096 * 4096 // 2 + 2 * 4096 * 1024 // 2 + 3 * 4096 * 14336 // 2 + 2 * 4096
+    params = 32 * per_layer + 2 * 128256 * 4096 // 2 + 4096
+    assert p.weight_bytes_per_device == 2 * params == 8_030_527_488  # half of Llama-3-8B's 8.03 B parameters
+    # K and V, 4 of the 8 KV heads, head_dim 128, 2 bytes, 32 layers.
+    assert p.kv_heads_per_device == 4 and p.kv_head_replicas == 1
+    assert p.kv_bytes_per_token_per_device == 2 * 4 * 128 * 2 * 32 == 65_536
+    # 90% of 80 GiB, minus the weights, in blocks of 16 tokens * 65,536 bytes = 1 MiB; one is the null block.
+    free = int(80 * GiB * 0.9) - 8_030_527_488
+    assert free == 69_278_883_840 and p.num_kv_blocks == 69_278_883_840 // 2**20 == 66_069
+    assert p.max_concurrent_tokens == 66_068 * 16 == 1_057_088
+    assert p.max_concurrent_seqs == 66_068 // (8192 // 16) == 129
+    # Batch 1 at context 8192 reads the weights plus 8192 tokens of KV at 3.35 TB/s.
+    one = p.roofline[0]
+    assert one.batch_size == 1 and one.bytes_read == 8_030_527_488 + 8192 * 65_536
+    assert one.step_ms == pytest.approx(8_567_398_400 / 3.35e12 * 1e3)
+    assert one.tokens_per_s == pytest.approx(3.35e12 / 8_567_398_400)
+    # 128 sequences of 8192 tokens take 65,536 of the 66,068 blocks; 256 would need 131,072.
+    assert [(r.batch_size, r.fits) for r in p.roofline[-2:]] == [(128, True), (256, False)]
+    assert [r.batch_size for r in p.roofline] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_fewer_kv_heads_than_devices_replicates_them_and_says_what_it_costs():
+    p = plan("llama-3-70b", "h100", 16)
+    # 8 KV heads on 16 devices: each device holds one whole head (k/v 8192 x 128), each head on 2 devices.
+    per_layer = 2 * 8192 * 8192 // 16 + 2 * 8192 * 128 + 3 * 8192 * 28672 // 16 + 2 * 8192
+    params = 80 * per_layer + 2 * (128256 // 16) * 8192 + 8192
+    assert p.weight_bytes_per_device == 2 * params == 8_989_458_432
+    assert p.kv_heads_per_device == 1 and p.kv_head_replicas == 2
+    assert p.kv_bytes_per_token_per_device == 2 * 1 * 128 * 2 * 80 == 40_960
+    # An even split would be half a head per device: the replication costs the other half.
+    assert p.kv_replication_bytes_per_token == 20_480
+
+
+def test_qwen2_biases_split_with_their_columns():
+    p = plan("qwen2.5-72b", "h200", 8)
+    # Qwen2.5-72B: q/k/v carry biases, split like their output columns; intermediate 29568, vocab 152064.
+    per_layer = (
+        2 * 8192 * 8192 // 8 + 8192 // 8  # q (+ bias) and o
+        + 2 * (8192 * 1024 // 8 + 1024 // 8)  # k and v (+ biases)
+        + 3 * 8192 * 29568 // 8 + 2 * 8192  # MLP, norms
+    )
+    assert p.weight_bytes_per_device == 2 * (80 * per_layer + 2 * 152064 // 8 * 8192 + 8192)
+
+
+@pytest.mark.parametrize(
+    ("preset", "device", "tp", "options", "message"),
+    [
+        ("llama-3-70b", "h100", 3, {}, "num_attention_heads=64 is not divisible by 3; num_key_value_heads=8"),
+        ("llama-3-70b", "h100", 3, {}, "valid sizes: 1, 2, 4, 8, 16, 32, 64"),
+        ("qwen2.5-7b", "h100", 8, {}, "num_attention_heads=28 is not divisible by 8"),
+        ("llama-3-70b", "h100", 1, {}, "131.4 GiB per device at tensor_parallel_size=1; one h100 gives 72.0 GiB"),
+        ("llama-3-70b", "h100", 1, {}, "use tensor_parallel_size=2"),
+        ("llama-3-8b", "h100", 1, {"max_model_len": 100_000}, "exceeds the model's max_position_embeddings=8192"),
+        # 2 x H100 hold 65.7 GiB of Llama-3.1-70B each, leaving room for about 41k tokens, not 131072.
+        ("llama-3.1-70b", "h100", 2, {"max_model_len": 131072}, "cannot hold one request of max_model_len=131072"),
+    ],
+)
+def test_what_cannot_run_is_refused_with_the_numbers(preset, device, tp, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        plan(preset, device, tp, **options)
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="neither a preset .*llama-3-70b.*qwen2.5-72b"):
+        load_model_config("llama-4-9000b")
+    with pytest.raises(ValueError, match="unknown device 'h900'; known: h100, h100-pcie, h200"):
+        accelerator("h900")
+
+
+def test_cli_exits_with_the_refusal():
+    with pytest.raises(SystemExit, match="cbjax plan: tensor_parallel_size=5 cannot split .* valid sizes: 1, 2, 4, 8"):
+        main(["plan", "--config", "llama-3-8b", "--device", "h100", "--tensor-parallel-size", "5"])
+
+
+def test_cli_prints_the_llama3_70b_plan_on_eight_h200s(capsys):
+    main(["plan", "--config", "llama-3-70b", "--device", "h200", "--tensor-parallel-size", "8", "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    # 70.55 B parameters in bf16 over 8 devices; 1 of the 8 KV heads per device: 2 * 128 * 2 bytes * 80 layers.
+    assert "weights per device:            16.43 GiB (17,640,734,720 bytes)" in out
+    assert "KV cache per token per device: 40,960 bytes" in out
+    assert "replicated" not in out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    # Batch 1: the 17.64 GB shard plus 8192 * 40,960 bytes of KV at 4.8 TB/s.
+    assert float(rows[0][2]) == pytest.approx((17_640_734_720 + 8192 * 40_960) / 4.8e12 * 1e3, abs=0.01)

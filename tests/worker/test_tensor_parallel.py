@@ -1,0 +1,163 @@
+"""Tensor parallelism over 4 virtual CPU devices: greedy outputs equal transformers' with every
+attention backend under shard_map (C++, jnp, interpreted Pallas), every weight and the KV pool
+are really split as Megatron-style TP says (shard shapes worked by hand), and every step lowers
+for CUDA with those shardings, from a checkpoint or from a config alone (abstract weights).
+
+The engines run in one subprocess (tensor_parallel_checks.py): the device count is fixed when
+jax starts. Tiny configs: hidden 64, intermediate 128, vocab 320, 4 heads of 16 (Qwen3: of 32),
+2 KV heads (Qwen3: 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_engine import hf_greedy
+
+TESTS = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def findings() -> dict:
+    # Virtual CPU devices by design, also on a GPU host (where JAX would pick its one GPU instead).
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "tensor_parallel_checks.py")], env=env, capture_output=True, text=True, timeout=900
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4")])
+def test_greedy_outputs_equal_transformers(findings, arch, tp):
+    # TP=4 runs the C++ CPU kernel per device; TP=2 the interpreted Pallas kernels
+    # Prompts of 60/45/37 tokens are prefilled in chunks of at most 32, and the 20-block pool preempts.
+    run = findings[arch][tp]
+    want = [hf_greedy(Path(findings["hf_dirs"][arch]), prompt, 10) for prompt in findings["prompts"]]
+    assert run["token_ids"] == want
+    assert run["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize(("backend", "tp"), [("cpp", 4), ("xla", 4), ("pallas_interpret", 2)])
+def test_attention_backends_under_shard_map_greedy_equals_transformers(findings, backend, tp):
+    run = findings["llama"]["4"] if backend == "cpp" else findings["backends"][backend]
+    want = [hf_greedy(Path(findings["hf_dirs"]["llama"]), prompt, 10) for prompt in findings["prompts"]]
+    assert run["backend"] == backend and run["tensor_parallel_size"] == tp
+    assert run["token_ids"] == want
+    assert run["num_preemptions"] > 0
+
+
+def test_no_compiles_while_serving_under_tp(findings):
+    assert findings["llama"]["4"]["compiles_while_serving"] == 0
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_weights_split_megatron_style(findings, tp):
+    n = int(tp)
+    weights = findings["llama"][tp]["weights"]
+    # TP=4 > 2 KV heads: k/v repeat each head twice, so k_proj holds 4 heads x 16 columns.
+    kv_columns = 32 if n == 2 else 64
+    want = {
+        "model.embed_tokens.embedding": ([320, 64], [320 // n, 64]),  # by vocabulary
+        "lm_head.kernel": ([64, 320], [64, 320 // n]),
+        "model.layers.0.self_attn.q_proj.kernel": ([64, 64], [64, 64 // n]),  # output columns
+        "model.layers.1.self_attn.k_proj.kernel": ([64, kv_columns], [64, kv_columns // n]),
+        "model.layers.1.self_attn.v_proj.kernel": ([64, kv_columns], [64, kv_columns // n]),
+        "model.layers.0.self_attn.o_proj.kernel": ([64, 64], [64 // n, 64]),  # input rows
+        "model.layers.1.mlp.gate_proj.kernel": ([64, 128], [64, 128 // n]),
+        "model.layers.1.mlp.up_proj.kernel": ([64, 128], [64, 128 // n]),
+        "model.layers.0.mlp.down_proj.kernel": ([128, 64], [128 // n, 64]),
+        "model.layers.0.input_layernorm.weight": ([64], [64]),  # replicated
+        "model.norm.weight": ([64], [64]),
+    }
+    if n == 4:  # Qwen2's biases follow their columns; k/v's are repeated like their heads
+        qwen2 = findings["qwen2"][tp]["weights"]
+        assert qwen2["model.layers.0.self_attn.q_proj.bias"]["shard_shapes"] == [[16]]
+        assert qwen2["model.layers.0.self_attn.k_proj.bias"]["shape"] == [64]
+        assert qwen2["model.layers.0.self_attn.k_proj.bias"]["shard_shapes"] == [[16]]
+    for name, (shape, shard) in want.items():
+        assert weights[name]["shape"] == shape, name
+        assert weights[name]["shard_shapes"] == [shard], name
+        assert weights[name]["num_devices"] == n, name
+    for name, weight in weights.items():  # nothing left on one device
+        assert weight["num_devices"] == n, name
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "pool_heads"), [("llama", "2", 2), ("llama", "4", 4), ("qwen2", "4", 4), ("qwen3", "4", 4)]
+)
+def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_heads):
+    run = findings[arch][tp]
+    head_dim = 32 if arch == "qwen3" else 16
+    # Per device a block costs 2 layers x (K, V) x 1 KV head x 8 tokens x head_dim x 4 bytes.
+    per_device_block = 2 * 2 * 1 * 8 * head_dim * 4
+    budget = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}[arch]  # kv_cache_memory_bytes, per device
+    assert run["num_blocks"] == budget // per_device_block == 20
+    # One K array for both layers: each layer's num_blocks pages, one after the other.
+    assert run["pool"]["shape"] == [pool_heads, 2 * run["num_blocks"], 8, head_dim]
+    assert run["pool"]["shard_shapes"] == [[1, 2 * run["num_blocks"], 8, head_dim]]
+
+
+def test_orbax_restores_straight_into_shardings(findings):
+    restored = findings["restored_shard_shapes"]  # TP=2, as read from the checkpoint
+    assert restored["model.embed_tokens.embedding"] == [[160, 64]]
+    assert restored["model.layers.0.self_attn.q_proj.kernel"] == [[64, 32]]
+    assert restored["model.layers.0.mlp.down_proj.kernel"] == [[64, 64]]
+
+
+def test_every_step_lowers_for_cuda_with_tp_shardings(findings):
+    assert findings["cuda_lowering_failures"] == []
+
+
+@pytest.mark.parametrize(("config", "tp"), [("llama", "2"), ("llama", "4"), ("llama-3-70b", "4")])
+def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_shardings(findings, config, tp):
+    run = findings["abstract_lowering"][config][tp]
+    assert run["failures"] == []
+    assert run["allocated_bytes"] == 0  # shapes only: no weight, pool or penalty table was allocated
+    assert run["partitions"] == [int(tp)] * len(run["shardings"]) and len(run["shardings"]) == 3  # 3 buckets
+    # Both configs have 2 layers, untied, and a vocabulary that 2 and 4 divide. Per layer: q/k/v and gate/up
+    # split by output columns, o and down by input rows; the K and V pools (one each for all layers)
+    # split over KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows
+    # (vocabulary); the 2 norms of each layer and the final norm, replicated, travel as one [5, hidden]
+    # stack (weight_stacks.py); the packed inputs and the previous step's sampled tokens (async
+    # scheduling) replicated, the penalty table's two [seqs, vocab] arrays and the block table
+    # (block_table.py) replicated.
+    want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 1 + 1,
+            '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1}
+    assert all(shardings == want for shardings in run["shardings"])
+
+
+def test_refuses_what_cannot_work(findings):
+    too_many, not_divisible = findings["refusals"]["too_many_devices"], findings["refusals"]["heads_not_divisible"]
+    assert "tensor_parallel_size=8" in too_many and "4 present" in too_many and "[1, 2, 4]" in too_many
+    assert "tensor_parallel_size=3" in not_divisible and "num_attention_heads=4 is not divisible by 3" in not_divisible
+    assert "valid sizes: 1, 2, 4" in not_divisible
+
+
+def test_sampling_from_devices_candidates_equals_one_device_sampler(findings):
+    # 64 rows cycling greedy / top-k 20 / top-k 40 + top-p + min-p / top_k = SHARD_CANDIDATES, each its own seed:
+    # every row's kept set lies within the 4 devices' top-64 candidates, so the tokens are the one-device sampler's.
+    case = findings["sharded_sampling"]["candidates"]
+    assert not case["needs_whole_rows"]
+    assert case["candidates"] == case["one_device"]
+    assert case["sharded"] == case["one_device"]
+
+
+@pytest.mark.parametrize("case", ["suppressed", "whole_row_0", "whole_row_1", "whole_row_2", "whole_row_3"])
+def test_rows_needing_the_whole_vocabulary_take_the_gathered_path(findings, case):
+    # min_tokens' suppressed ids, top-p alone, top_k above the candidates, a penalty, logprobs
+    run = findings["sharded_sampling"][case]
+    assert run["needs_whole_rows"]
+    assert run["sharded"] == run["one_device"]
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_seeded_sampling_under_tp_equals_tp1(findings, tp):
+    assert findings["llama"][tp]["seeded_token_ids"] == findings["tp1_seeded_token_ids"]
