@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from test_engine import COMPILES, CompileCounter  # noqa: E402
+from engine_helpers import COMPILES, CompileCounter  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_engine import ENGINE_OPTIONS
+from engine_helpers import ENGINE_OPTIONS
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from test_engine import hf_greedy
+from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import AsyncLLM, RequestOutputKind, SamplingParams

@@ -13,7 +13,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import COMPILES
+from engine_helpers import COMPILES
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import SamplingParams

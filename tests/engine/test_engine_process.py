@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
-from test_engine import hf_greedy
+from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import AsyncLLM, RequestOutputKind, SamplingParams

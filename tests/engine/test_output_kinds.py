@@ -5,7 +5,7 @@ transformers' greedy tokens and the tokenizer's own decode, never from cbjax's o
 from __future__ import annotations
 
 import pytest
-from test_engine import hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts
 from tiny_llm import llm, tiny  # noqa: F401 - the shared fixtures
 
 from cbjax import RequestOutputKind, SamplingParams

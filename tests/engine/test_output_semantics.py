@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_hf import load_hf_model
-from test_engine import ENGINE_OPTIONS, hf_greedy, random_prompts
+from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
 from tiny_llm import llm, tiny  # noqa: F401 - the shared fixtures
 
 from cbjax import EngineConfig, SamplingParams

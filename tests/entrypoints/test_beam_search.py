@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_hf import load_hf_model
-from test_engine import hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts
 from tiny_llm import EOS_TOKEN_IDS, llm, tiny  # noqa: F401 - the shared fixtures
 
 from cbjax import BeamSearchParams

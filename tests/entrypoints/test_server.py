@@ -14,7 +14,7 @@ import torch
 from helpers_hf import hf_logits
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess
-from test_engine import hf_greedy
+from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 from tokenizers import Tokenizer
 

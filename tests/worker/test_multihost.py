@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from multihost_options import MAX_TOKENS, prompts, worker_flags
-from test_engine import hf_greedy
+from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax.worker.distributed.multihost import PEER_LOST_EXIT_STATUS

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_engine import hf_greedy
+from engine_helpers import hf_greedy
 
 TESTS = Path(__file__).parents[1]
 
