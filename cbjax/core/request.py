@@ -48,6 +48,7 @@ class Request:
     sampling_params: Any
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the priority policy serves lower values first (vLLM's rule); fcfs ignores it
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -64,16 +64,17 @@ class AsyncLLM:
         return self.tokenizer
 
     async def generate(
-        self, prompt: Prompt, sampling_params: SamplingParams, request_id: str
+        self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come, shaped by `sampling_params.output_kind`.
+        """The request's outputs as they come, shaped by `sampling_params.output_kind`; `priority`
+        orders it under the priority scheduling policy (lower first).
 
         Raises ValueError (bad input, from add_request) or EngineDeadError.
         """
         self.check_health()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs))
+        self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs), priority)
         # The engine shapes outputs by kind; a FINAL_ONLY request may still get one every step (the metrics read them).
         final_only = sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
         finished = False

@@ -92,10 +92,12 @@ class EngineCore:
     def start(self) -> None:
         self.thread.start()
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink) -> None:
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0
+    ) -> None:
         """Queue a request; its outputs, or the ValueError that rejected it, go to `sink`. It arrives
         now, not when the core dequeues it, so its TTFT counts the wait for the running step (as vLLM's)."""
-        self.commands.put(("add", request_id, prompt, params, sink, time.monotonic()))
+        self.commands.put(("add", request_id, prompt, params, sink, time.monotonic(), priority))
 
     def abort_request(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -151,10 +153,11 @@ class EngineCore:
             return None
 
     def _add(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, arrival_time: float
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, arrival_time: float,
+        priority: int,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
         except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
             deliver(sink, error)
             return

@@ -37,11 +37,12 @@ class Frontend:
         self._rows: tuple[Request, ...] = ()  # the mirrors of the latest step's rows
 
     def add_request(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float, prompt: str | None
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float, prompt: str | None,
+        priority: int = 0,
     ) -> None:
         """Mirror a request the core is being sent (ValueError if its id is in use here)."""
         self.book.check_free(request_id, params.n)
-        self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt)
+        self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority)
 
     def reject(self, request_id: str) -> None:
         """Forget a request the core refused."""

@@ -137,15 +137,18 @@ class LLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (n > 1: one child request per completion); bad input raises ValueError
-        and leaves the engine as it was."""
+        and leaves the engine as it was. `priority` orders it under the priority scheduling policy
+        (lower first)."""
         params = sampling_params or SamplingParams()
         self.book.check_free(request_id, params.n)
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self._validate(token_ids, params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        children = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text).children
+        children = self.book.add_new(
+            request_id, token_ids, params, self.eos_token_ids, arrival_time, text, priority).children
         if self.sends_progress:
             self._unstarted.update(children)
         wait_for = children[0] if shares_prompt(params, self.config.enable_prefix_caching) else None

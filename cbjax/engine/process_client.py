@@ -99,27 +99,29 @@ class EngineProcess:
     def start(self) -> None:
         self.thread.start()
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink) -> None:
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0
+    ) -> None:
         """Send a request; its outputs, or the ValueError that rejected it, go to `sink`."""
-        self.add_requests([(request_id, prompt, params, sink)])
+        self.add_requests([(request_id, prompt, params, sink, priority)])
 
-    def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams, OutputSink]]) -> None:
-        """Send requests (request_id, prompt, params, sink) in one message: the core adds them all
-        before its next step, as LLMEngine.add_request calls made between two steps."""
+    def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams, OutputSink, int]]) -> None:
+        """Send requests (request_id, prompt, params, sink, priority) in one message: the core adds
+        them all before its next step, as LLMEngine.add_request calls made between two steps."""
         adds = []
-        for request_id, prompt, params, sink in requests:
+        for request_id, prompt, params, sink, priority in requests:
             arrival_time = time.monotonic()
             try:
                 text, token_ids = tokenize_prompt(self.tokenizer, prompt)
                 with self._lock:
                     if self.error is not None:
                         raise self.error
-                    self.frontend.add_request(request_id, token_ids, params, arrival_time, text)
+                    self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
                     self.sinks[request_id] = sink
             except (ValueError, TypeError, EngineDeadError) as error:
                 deliver(sink, error)
                 continue
-            adds.append((request_id, token_ids, params, arrival_time))
+            adds.append((request_id, token_ids, params, arrival_time, priority))
         if adds:
             self._send(("add", adds))
 
@@ -278,9 +280,9 @@ def _apply(command: tuple, conn: Connection, engine: Any, rejected: list[tuple[s
     """Apply one command; False once shutdown was asked (every request left is aborted)."""
     kind = command[0]
     if kind == "add":
-        for request_id, token_ids, params, arrival_time in command[1]:
+        for request_id, token_ids, params, arrival_time, priority in command[1]:
             try:
-                engine.add_request(request_id, {"prompt_token_ids": token_ids}, params, arrival_time)
+                engine.add_request(request_id, {"prompt_token_ids": token_ids}, params, arrival_time, priority)
             except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
                 rejected.append((request_id, str(error)))
     elif kind == "abort":

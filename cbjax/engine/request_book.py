@@ -38,11 +38,11 @@ class RequestBook:
 
     def add_new(
         self, request_id: str, token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-        arrival_time: float, prompt: str | None,
+        arrival_time: float, prompt: str | None, priority: int = 0,
     ) -> ParentRequest:
         """A request, one child per completion (n > 1), added to the book."""
         children = [
-            Request(child_id, token_ids, child_params(params, index), eos_token_ids, arrival_time)
+            Request(child_id, token_ids, child_params(params, index), eos_token_ids, arrival_time, priority)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
         parent = ParentRequest(request_id, children)

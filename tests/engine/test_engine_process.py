@@ -253,3 +253,41 @@ def test_a_core_that_dies_fails_every_caller(in_process):
         in_process.check_health()
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(in_process, {"prompt_token_ids": PROMPT}, params, "after"))
+
+
+def _record_priorities(engine):
+    """From now on the engine's scheduler notes (child id, priority) of every request it is given."""
+    recorded = engine.recorded_priorities = []
+    add = engine.scheduler.add_request
+
+    def recording_add(request, *rest):
+        recorded.append((request.request_id, request.priority))
+        return add(request, *rest)
+
+    engine.scheduler.add_request = recording_add
+
+
+def _stop_recording_priorities(engine):
+    del engine.scheduler.add_request  # the class's method again
+    return engine.recorded_priorities
+
+
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_priority_reaches_every_child_request_the_scheduler_gets(client, request):
+    llm = request.getfixturevalue(client)
+    if client == "in_process":
+        record, stop = lambda: llm.core.call(_record_priorities), lambda: llm.core.call(_stop_recording_priorities)
+    else:  # the thread's engine, touched while the core is idle
+        record = lambda: _record_priorities(llm.core.engine)  # noqa: E731
+        stop = lambda: _stop_recording_priorities(llm.core.engine)  # noqa: E731
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=2, n=2, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        high = [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, "urgent", priority=-3)]
+        plain = [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, "plain")]
+        return high + plain
+
+    record()
+    outputs = asyncio.run(run())
+    assert [o.request_id for o in outputs] == ["urgent", "plain"] and all(o.finished for o in outputs)
+    assert stop() == [("0_urgent", -3), ("1_urgent", -3), ("0_plain", 0), ("1_plain", 0)]
