@@ -1,0 +1,49 @@
+"""docs/engine-options.md is what its generator makes from EngineConfig and the engine flags today."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cbjax.config import EngineConfig
+from cbjax.entrypoints.cli import engine_options
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_engine_options_doc_is_up_to_date():
+    written = (REPO / "docs" / "engine-options.md").read_text()
+    assert written == engine_options.render(), (
+        f"docs/engine-options.md is out of date with cbjax/config.py or cbjax/entrypoints/cli/args.py; "
+        f"run `{engine_options.COMMAND}` and commit the result"
+    )
+
+
+def test_every_engine_option_has_a_row_with_its_default():
+    rows = {line.split(" | ")[0].strip("| `"): line for line in engine_options.render().splitlines() if line.startswith("| `")}
+    assert list(rows) == [field.name for field in dataclasses.fields(EngineConfig)]
+    assert "| `64` |" in rows["max_num_seqs"] and "`--max-num-seqs`" in rows["max_num_seqs"]
+    # cbjax serve turns prompt-bucket midpoints on where LLM leaves them off (cbjax/entrypoints/cli/args.py).
+    assert "| `False` | `True` |" in rows["prompt_bucket_midpoints"]
+
+
+def test_field_comments_are_the_lines_beside_and_above_each_field():
+    comments = engine_options.field_comments()
+    assert comments["tokenizer"] == "defaults to the model directory"
+    assert comments["max_num_prefills"].startswith("Most requests that compute a prompt chunk (2+ tokens) in one step;")
+    assert comments["max_num_seqs"] == ""
+
+
+def test_generator_imports_no_jax():
+    # An empty `cbjax` package stands in for cbjax/__init__.py (which imports LLM): what the generator and
+    # the modules it reads import themselves.
+    code = (
+        "import json, sys, types; package = types.ModuleType('cbjax'); package.__path__ = ['cbjax']; "
+        "sys.modules['cbjax'] = package; import cbjax.entrypoints.cli.engine_options as m; m.render(); "
+        "print(json.dumps(sorted(name for name in ('jax', 'flax') if name in sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
