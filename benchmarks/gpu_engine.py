@@ -28,7 +28,7 @@ from cbjax.worker.compilation.buckets import pick_bucket
 from cbjax.config import EngineConfig
 from cbjax.core.request import Request
 from cbjax.worker.model_runner import ModelRunner
-from cbjax.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from cbjax.core.sched.output import ScheduledRequest, SchedulerOutput
 from cbjax.models.llama import LlamaForCausalLM
 from cbjax.sampling_params import SamplingParams
 

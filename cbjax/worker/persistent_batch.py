@@ -27,7 +27,7 @@ from jaxtyping import Int
 from cbjax.worker.block_table import BlockTable, empty_writes
 from cbjax.worker.compilation.buckets import Bucket
 from cbjax.core.request import Request
-from cbjax.core.sched.scheduler import SchedulerOutput
+from cbjax.core.sched.output import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)

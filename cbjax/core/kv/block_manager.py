@@ -125,12 +125,20 @@ class BlockManager:
         if computed_blocks is not None:
             self._take_computed_blocks(request, computed_blocks)
         for _ in range(self.num_missing_blocks(request, num_new_tokens)):
-            self.append_free_block(request)
+            self._append_free_block(request)
 
-    def append_free_block(self, request: Request) -> None:
+    def append_block(self, request: Request) -> bool:
+        """Give `request` one more block if one is free; False (nothing done) if none is. The
+        scheduler's check-and-allocate for a decode that starts a block (a few requests every step),
+        in one call instead of can_allocate and allocate."""
+        if not self.free_queue:
+            return False
+        self._append_free_block(request)
+        return True
+
+    def _append_free_block(self, request: Request) -> None:
         """Give `request` the block at the head of the free queue (evicting what it cached); the caller
-        checked that one is free. What allocate does per block, and the scheduler for a decode that
-        starts a block (a few requests every step)."""
+        checked that one is free."""
         block_id, _ = self.free_queue.popitem(last=False)
         self._evict(block_id)
         self.ref_counts[block_id] = 1

@@ -1,13 +1,14 @@
-"""Continuous batching: which requests compute how many tokens each step (vLLM V1 policy).
+"""Continuous batching: which requests compute how many tokens each step (vLLM V1's scheduler).
 
 There is no separate prefill phase. Each step has a budget of max_num_batched_tokens:
-running requests go first, in admission order (one token for a decode, the next chunk
-of a partly computed prompt), then waiting requests are admitted in arrival order
-while there are seats, budget and blocks. At most max_num_prefills requests compute
-more than one token in a step (the jnp attention sizes its query tiles by it); a
-prompt chunk beyond that waits for the next step. A running request that cannot get a block
-preempts the most recently admitted running request (possibly itself) by recompute,
-and nobody new is admitted in that step.
+running requests go first, in the policy's order (one token for a decode, the next chunk
+of a partly computed prompt), then waiting requests are admitted in the policy's order
+while there are seats, budget and blocks; nobody overtakes the head of the queue. At most
+max_num_prefills requests compute more than one token in a step (the jnp attention sizes
+its query tiles by it); a prompt chunk beyond that waits for the next step. A running
+request that cannot get a block preempts, by recompute, the running request the policy
+gives up first (possibly itself), and nobody new is admitted in that step. The policy
+(policy.py: "fcfs" or "priority") decides both orders.
 
 Progress is counted when a step is scheduled (vLLM V1's way): a request's num_computed_tokens
 covers the tokens of launched steps, and a token such a step will sample is a placeholder
@@ -21,57 +22,18 @@ until another request has computed its prompt (the completions of one prompt, n 
 that it finds that prompt's blocks cached instead of computing them again.
 """
 
-import functools
 import logging
-import operator
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
+from cbjax.core.sched.output import ScheduledRequest, SchedulerOutput, scheduled_request
+from cbjax.core.sched.policy import RequestQueue, make_request_queue
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING  # an enum member looked up on its class costs ~70 ns: once here, not per row
-
-
-class ScheduledRequest(NamedTuple):  # a tuple: hundreds are made every step
-    """Compute tokens start ... start + num_new_tokens - 1 of `request` (the last may be a
-    placeholder: the token the previous step samples)."""
-
-    request: Request
-    num_new_tokens: int
-    start: int  # the request's num_computed_tokens before this step
-    samples: bool  # after this step every token is computed, so a new one is sampled
-
-
-_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
-# ScheduledRequest((request, ...)) without the Python-level __new__ a NamedTuple has: the same tuple, made in C.
-_scheduled_request = functools.partial(tuple.__new__, ScheduledRequest)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted_request_ids: list[str]
-    # The scheduled requests that got blocks in this schedule (the others' block_ids did not change):
-    # what a step that follows the previous one sends of the block tables (persistent_batch.py).
-    allocated: list[Request] = field(default_factory=list)
-    # The rows' num_new_tokens added up, if the scheduler counted them as it went (else summed when asked).
-    num_tokens: int | None = None
-
-    @functools.cached_property
-    def num_scheduled_tokens(self) -> int:
-        return sum(map(_NUM_NEW_TOKENS, self.scheduled)) if self.num_tokens is None else self.num_tokens
-
-    @functools.cached_property
-    def is_decode_only(self) -> bool:
-        """Every scheduled request adds exactly one token (an empty step is not a decode step)."""
-        # Each scheduled request adds at least one token: one each iff as many tokens as requests.
-        return bool(self.scheduled) and self.num_scheduled_tokens == len(self.scheduled)
 
 
 class Scheduler:
@@ -84,6 +46,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         max_num_prefills: int | None = None,
+        scheduling_policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
     ):
         for name, value in [
@@ -130,9 +93,9 @@ class Scheduler:
         self.max_num_prefills = max_num_prefills
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = make_request_queue(scheduling_policy)
         self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
-        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.running: list[Request] = []  # in the policy's preemption order: the last is preempted first
         self.num_preemptions = 0
 
     @property
@@ -157,6 +120,7 @@ class Scheduler:
                 f"request {request.request_id} has {request.num_tokens} tokens; it needs "
                 f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
+        self.waiting.check_priority(request.priority)
         params = request.sampling_params
         request.max_num_tokens = self.max_model_len
         if params.max_tokens is not None:
@@ -164,9 +128,13 @@ class Scheduler:
         request.stop_check_ids = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else request.eos_token_ids)
         self.requests[request.request_id] = request
         if wait_for is None:
-            self.waiting.append(request)
+            self.waiting.add(request)
         else:
             self.held[request] = wait_for
+
+    def check_priority(self, priority: int) -> None:
+        """ValueError if the scheduling policy takes no `priority` (fcfs: only 0)."""
+        self.waiting.check_priority(priority)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop an unfinished request and free its blocks; None if it is unknown or finished."""
@@ -199,7 +167,7 @@ class Scheduler:
         num_prefills = 0  # scheduled requests computing more than one token
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
         block_manager = self.block_manager
-        block_size, free_queue = block_manager.block_size, block_manager.free_queue
+        block_size = block_manager.block_size
 
         # A for loop over the running list, though preemption pops from its end: a list's iterator
         # stops at the list's current length, and every victim lies after the row being scheduled.
@@ -211,14 +179,13 @@ class Scheduler:
             if num_tokens == start + 1 and (not pending or num_tokens < request.max_num_tokens):
                 # A decode (what _num_new_tokens, the block check, _allocate and _advance decide for
                 # it, without the calls: hundreds a step): with room in its last block, most requests
-                # most steps; or starting a block, one in block_size, with a block free to take.
+                # most steps; or starting a block, one in block_size, if the pool has one to give.
                 capacity = len(request.block_ids) * block_size
-                if start < capacity or (start == capacity and free_queue):
+                if start < capacity or (start == capacity and block_manager.append_block(request)):
                     if start == capacity:
-                        block_manager.append_free_block(request)
                         allocated.append(request)
                     request.num_computed_tokens, request.num_output_placeholders = num_tokens, pending + 1
-                    scheduled.append(_scheduled_request((request, 1, start, True)))
+                    scheduled.append(scheduled_request((request, 1, start, True)))
                     token_budget -= 1
                     continue
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left)
@@ -228,7 +195,7 @@ class Scheduler:
             # check (block_manager.num_missing_blocks() > 0, without the call).
             needs_blocks = request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_size
             while needs_blocks and not block_manager.can_allocate(request, num_new_tokens):
-                victim = self.running.pop()  # scheduled requests sit before this one: never victims
+                victim = self.running.pop()  # the policy's first to go; scheduled ones sit before this one
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -252,18 +219,18 @@ class Scheduler:
             and token_budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks = self.block_manager.get_computed_blocks(request)
             num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left, num_cached_tokens)
             if num_new_tokens == 0 or not self.block_manager.can_allocate(request, num_new_tokens, computed_blocks):
-                break  # strict arrival order: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # the policy's strict order: nobody overtakes the head of the queue
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
                 request.num_cached_tokens = num_cached_tokens
-            self.running.append(request)
+            self.waiting.admit(self.running, request)
             scheduled.append(self._allocate(request, num_new_tokens, computed_blocks))
             allocated.append(request)
             token_budget -= num_new_tokens
@@ -347,14 +314,14 @@ class Scheduler:
         return ScheduledRequest(request, num_new_tokens, start, samples)
 
     def _release_held(self) -> None:
-        """Queue, first in line, the held requests whose awaited prompt is computed (or never will be)."""
+        """Requeue (fcfs: first in line) the held requests whose awaited prompt is computed (or never will be)."""
         ready = [r for r, source in self.held.items() if source.is_finished or source.num_output_tokens > 0]
         for request in reversed(ready):
             del self.held[request]
-            self.waiting.appendleft(request)
+            self.waiting.requeue(request)
 
     def _preempt(self, request: Request) -> None:
-        """Free `request`'s blocks and queue it first in line to recompute everything."""
+        """Free `request`'s blocks and requeue it (fcfs: first in line) to recompute everything."""
         logger.info(
             "preempted request %s: %d tokens to recompute", request.request_id, request.num_tokens
         )
@@ -363,7 +330,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         """vLLM's stop check, run after each sampled token: length first (max_model_len or
