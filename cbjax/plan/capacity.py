@@ -1,9 +1,10 @@
 """`cbjax plan`: what a model needs per device under tensor parallelism, and a decode roofline.
 
 Everything comes from the engine's own code: the model's parameters are those the engine builds
-(shapes only, nothing allocated), split by the Megatron rules of `models/tensor_parallel.py`; the
-pool's bytes per block are `kv_cache_bytes_per_block`, and its size is `plan_num_blocks` given
-the device's published memory with the weights in use. Presets (cbjax/presets/*.json) are the
+(shapes only, nothing allocated, the architecture's registry entry's class), split by the Megatron
+rules of `models/tensor_parallel.py`; the pool's bytes per block are the registry's
+`kv_cache_bytes_per_block`, and its size is `plan_num_blocks` given
+the device's published memory with the weights in use. Presets (cbjax/plan/presets/*.json) are the
 Hugging Face config.json files of meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-8B,
 Llama-3.1-70B and Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct.
 """
@@ -23,7 +24,7 @@ from cbjax.models.config import ModelConfig
 from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.worker.model_runner import kv_cache_dtype
-from cbjax.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
+from cbjax.models.registry import kv_cache_bytes_per_block, model_class
 from cbjax.models.tensor_parallel import (
     check_tensor_parallel,
     kv_heads_per_device,
@@ -127,7 +128,7 @@ def plan_capacity(
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     one_layer = dataclasses.replace(config, num_hidden_layers=1)
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(one_layer, dtype=weight_dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(one_layer)(one_layer, dtype=weight_dtype, rngs=nnx.Rngs(0)))
     weights = weight_bytes_per_device(model, config, tensor_parallel_size)
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
