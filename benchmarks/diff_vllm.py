@@ -9,7 +9,7 @@ venv as a subprocess of this script (`--worker vllm`, which writes JSON), cbjax 
 in float32 on the same SmolLM2-135M-Instruct weights (vLLM: the Hugging Face directory the
 GGUF import makes; cbjax: the checkpoint converted from it). Prompt token ids, output token ids,
 text, finish_reason, stop_reason, cumulative_logprob, logprobs and prompt_logprobs (values, ranks,
-decoded tokens) are compared (`benchmarks.diff_compare`);
+decoded tokens) are compared (`cbjax.bench.diff_compare`);
 a token divergence where vLLM's top two logprobs are within 0.02 is reported as a near-tie, not
 a defect. For requests that ask for fewer than 2 logprobs, vLLM also runs a probe copy with
 logprobs=2 (not compared) so that a divergence can still be classed.
@@ -112,15 +112,6 @@ def run_cbjax(spec: dict) -> dict:
 # ---- the driver (cbjax's interpreter) ----------------------------------------------------------
 
 
-def probes(cases: list[dict]) -> list[dict]:
-    """A logprobs=2 copy of each exactly-compared case asking for fewer, so vLLM's top-2 gap is known."""
-    return [
-        case | {"name": f"{case['name']}#probe", "params": case["params"] | {"logprobs": 2}}
-        for case in cases
-        if case.get("compare", "exact") == "exact" and (case["params"].get("logprobs") or 0) < 2
-    ]
-
-
 def ensure_model(model: str, hf_dir: str) -> None:
     """The HF directory and the converted checkpoint, made as scripts/fetch_model.sh makes them if missing."""
     from cbjax.entrypoints.cli.main import main as cbjax_cli
@@ -148,20 +139,9 @@ def print_report(summary: dict, disagreements: list[dict]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(head, widths)) + "  " + indent.join(line[:150] for line in lines))
 
 
-def reused_vllm_records(path: pathlib.Path, cases: list[dict]) -> dict:
-    """vLLM's side from an earlier run, when it ran exactly these requests (vLLM does not change between runs; cbjax does)."""
-    saved = json.loads(path.read_text())
-    request = lambda case: {k: v for k, v in case.items() if k != "compare"}  # noqa: E731 - how it is compared is no request
-    saved_cases = {c["name"]: request(c) for c in saved["cases"] + probes(saved["cases"])}
-    stale = [c["name"] for c in cases if saved_cases.get(c["name"]) != request(c) or c["name"] not in saved["vllm"]]
-    if stale:
-        sys.exit(f"{path} has no vLLM record of the current {stale[:5]} ({len(stale)} cases); run without --reuse-vllm")
-    return {"version": saved["summary"]["vllm_version"], "results": saved["vllm"]}
-
-
 def report(cases: list[dict], vllm: dict[str, dict], cbjax: dict[str, dict], vllm_version: str, duration_s: float) -> dict:
     """Compare every case, print the table; the result JSON (summary, disagreements, both engines' records)."""
-    from benchmarks.diff_compare import compare_case
+    from cbjax.bench.diff_compare import compare_case
 
     by_case = {c["name"]: compare_case(c, vllm, cbjax) for c in cases}
     disagreements = [d.__dict__ for found in by_case.values() for d in found]
@@ -208,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from benchmarks.diff_cases import CASES
+    from cbjax.bench.diff_compare import probes, reused_vllm_records
     from cbjax.bench.peers import VENV_ROOT, run_system
 
     cases = [c for c in CASES if args.cases is None or c["name"] in args.cases]

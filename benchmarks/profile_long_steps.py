@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
-from cbjax.models.llama import init_kv_pool
+from cbjax.models.layers.kv_pool import init_kv_pool
 from cbjax.models.layers.attention import AttentionPlan
 from kernels_pallas.reference import AttentionMetadata
 

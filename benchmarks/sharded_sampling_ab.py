@@ -24,7 +24,7 @@ from cbjax.worker.sample.penalty_state import init_penalty_state
 from cbjax.worker.sample.sampler import SamplingRow, build_sampling_tensors, sample
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.sampling_params import SamplingParams
-from cbjax.models.layers.attention import MODEL_AXIS
+from cbjax.models.layers.mesh import MODEL_AXIS
 
 
 def time_ms(fn, *args) -> float:

@@ -1,12 +1,11 @@
 """Trace-and-lower and compile seconds of each of the engine's step programs, one at a time, no cache (issue 11);
 with --options, several sets of XLA compile options side by side, and with --calls, each program's run time.
 
-Puts the scanned-layer A/B (benchmarks/scan_layers_ab.py, the model's forward alone) in context:
-how long the engine's whole steps (forward, sampler, logprobs, penalties) take to compile when
-nothing else competes in this process.
+How long the engine's whole steps (forward, sampler, logprobs, penalties) take to compile when
+nothing else competes in this process; the XLA options that decide it (compile_cache.py) are chosen here.
 
-    python benchmarks/step_compile_times.py --out step_compile_times.json
-    python benchmarks/step_compile_times.py --options '{}' '{"xla_backend_optimization_level": 1}' \\
+    python -m benchmarks.step_compile_times --out step_compile_times.json
+    python -m benchmarks.step_compile_times --options '{}' '{"xla_backend_optimization_level": 1}' \\
         '{"xla_backend_optimization_level": 0}' --calls 7 --out compile_options.json
 
 Each option set compiles every program (wall and process CPU seconds). With --calls N, each

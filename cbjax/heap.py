@@ -29,8 +29,8 @@ def freeze_gc_heap() -> int:
 
     A loaded engine holds a few hundred thousand Python objects (the model's structure, jax
     arrays and executables, the tokenizer), and CPython's full collections scan them all: with
-    256 requests running, one step in about a hundred paused some 80 ms for a generation-2
-    collection (`python -m benchmarks.gc_freeze_ab`, BENCHMARKS.md section 10), a stall of every
+    256 requests running, about one step in a hundred paused for a generation-2 collection (the
+    retired gc-freeze experiment, docs/benchmarks-history/10-host-per-step.md), a stall of every
     running request. Start-up objects live as long as the process, so a process that serves one
     engine for its lifetime (`cbjax serve`, `cbjax worker`) freezes them once it is ready, as vLLM's
     engine core does. Frozen objects are still freed by reference counting; only cycles among them

@@ -9,8 +9,8 @@ elementwise op that uses it (the norm's scale, a bias add): nothing is copied, a
 the same.
 
 Only vectors (norm scales, biases) are stacked: a row of a stack of matrices that feeds a dot is
-a copy on XLA:CPU (benchmarks/stacked_matrices.py: 30 float32 [576, 1536] kernels, stacked, ran a
-30-dot chain 1.3-2.4x slower than as 30 arrays; in bfloat16, whose dots are slower, 0.91-1.04x).
+a copy on XLA:CPU (a chain of dots over stacked matrices ran slower than over separate arrays: the retired
+stacked-matrices experiment, docs/benchmarks-history/10-host-per-step.md, "The weights' vectors stacked").
 And only vectors whole on every device they live on (replicated), with the same shape, dtype and
 devices, so the stack has one sharding, the same as each of them.
 """

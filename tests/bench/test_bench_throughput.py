@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import jax
 
 import pytest
@@ -117,19 +116,3 @@ def test_paged_capacity_simulation_admits_by_blocks_not_max_model_len():
     assert result["paged_max_concurrent"] == 6
     assert result["paged_preemptions"] > 0
     assert 0 <= result["paged_kv_waste_all_steps"] < 1
-
-
-def test_backend_ab_runs_each_backend_every_round(tmp_path):
-    from benchmarks import backend_ab
-
-    _, model_dir = make_tiny_checkpoint(tmp_path, "llama")
-    out = tmp_path / "ab.json"
-    native = "cpp" if jax.default_backend() == "cpu" else "pallas"  # this platform's own kernel
-    backend_ab.main([
-        "--model", str(model_dir), "--backends", "xla", native, "--max-num-seqs", "4", "--max-model-len", "64",
-        "--max-num-batched-tokens", "32", "--block-size", "8", "--num-kv-blocks", "40", "--num-prompts", "6",
-        "--input-len", "8", "--output-len", "4", "--rounds", "2", "--result-json", str(out),
-    ])
-    result = json.loads(out.read_text())
-    assert {b: len(v) for b, v in result["output_throughput_rounds"].items()} == {"xla": 2, native: 2}
-    assert set(result["median_output_throughput"]) == {"xla", native}

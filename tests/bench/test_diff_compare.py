@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.diff_compare import compare_case
-from benchmarks.diff_vllm import probes, reused_vllm_records
+from cbjax.bench.diff_compare import compare_case, probes, reused_vllm_records
 
 
 def output(token_ids, text, finish="length", stop=None, logprobs=None, index=0) -> dict:

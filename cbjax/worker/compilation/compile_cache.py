@@ -71,11 +71,9 @@ def enable_compile_cache(setting: str | None, device: jax.Device) -> pathlib.Pat
     return folder
 
 
-# LLVM's optimization level for XLA:CPU's generated code: 1 instead of XLA's default 2 compiled
-# SmolLM2's 7 step programs in 10.2 s instead of 11.2 (17.8 -> 15.7 CPU-seconds), and the steps ran
-# as fast (0.98-1.01x, every program); level 0 compiled in 8.0 s but its steps ran 1.10-1.17x as
-# long (benchmarks/step_compile_times.py; whole workloads: benchmarks/cpu_opt_level_ab.py,
-# BENCHMARKS.md section 14).
+# LLVM's optimization level for XLA:CPU's generated code: 1 instead of XLA's default 2 compiles the step
+# programs sooner and the steps run as fast; level 0 compiles sooner still but its steps run slower
+# (`python -m benchmarks.step_compile_times --options ... --calls N`, BENCHMARKS.md "Compile times").
 # The dots and the attention are library calls (Eigen, oneDNN, the C++ kernel): only fusions are
 # generated, and those are memory-bound.
 CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}

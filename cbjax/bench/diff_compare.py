@@ -1,6 +1,6 @@
 """Compare one request's outputs from vLLM and cbjax; each difference becomes a `Disagreement`.
 
-Both engines' outputs arrive as plain records (`benchmarks.diff_vllm.record`):
+Both engines' outputs arrive as plain records (`record` in benchmarks/diff_vllm.py, the differential check):
 {"prompt_token_ids", "outputs": [{"index", "text", "token_ids", "finish_reason", "stop_reason",
 "logprobs": [[[token_id, logprob, rank, decoded], ...] per position] | None,
 "cumulative_logprob"}], "prompt_logprobs": the same per prompt position (the first None) | None}
@@ -14,7 +14,10 @@ defect) when vLLM's top two logprobs at that position are within NEAR_TIE (issue
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
+import sys
 from typing import Any
 
 NEAR_TIE = 0.02  # nats between vLLM's top two logprobs
@@ -191,3 +194,23 @@ def compare_case(case: dict, vllm: dict[str, Record], cbjax: dict[str, Record]) 
     if mode == "first_logprobs":
         return compare_first_logprobs(name, v, c, case["params"].get("logprobs"))
     return compare_exact(name, v, c, vllm.get(f"{name}#probe"))
+
+
+def probes(cases: list[dict]) -> list[dict]:
+    """A logprobs=2 copy of each exactly-compared case asking for fewer, so vLLM's top-2 gap is known."""
+    return [
+        case | {"name": f"{case['name']}#probe", "params": case["params"] | {"logprobs": 2}}
+        for case in cases
+        if case.get("compare", "exact") == "exact" and (case["params"].get("logprobs") or 0) < 2
+    ]
+
+
+def reused_vllm_records(path: pathlib.Path, cases: list[dict]) -> dict:
+    """vLLM's side from an earlier run, when it ran exactly these requests (vLLM does not change between runs; cbjax does)."""
+    saved = json.loads(path.read_text())
+    request = lambda case: {k: v for k, v in case.items() if k != "compare"}  # noqa: E731 - how it is compared is no request
+    saved_cases = {c["name"]: request(c) for c in saved["cases"] + probes(saved["cases"])}
+    stale = [c["name"] for c in cases if saved_cases.get(c["name"]) != request(c) or c["name"] not in saved["vllm"]]
+    if stale:
+        sys.exit(f"{path} has no vLLM record of the current {stale[:5]} ({len(stale)} cases); run without --reuse-vllm")
+    return {"version": saved["summary"]["vllm_version"], "results": saved["vllm"]}

@@ -1,0 +1,44 @@
+"""The developers' benchmarks in benchmarks/ still run: each is started as a user starts it, in its own
+process from the repository root (tests never import benchmarks/, which is not installed)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+from tiny_checkpoint import make_tiny_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def test_kernel_benchmark_needs_a_gpu_or_dry_run(tmp_path):
+    if jax.default_backend() == "cpu":
+        refused = run_benchmark("kernels", "--out", str(tmp_path / "bench.json"))
+        assert refused.returncode != 0 and "pass --dry-run" in refused.stderr
+    out = tmp_path / "dry.json"
+    done = run_benchmark("kernels", "--dry-run", "--max-seconds", "0", "--repeats", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] and report["copy_gbps"] > 0 and report["tests"]["summary"] == "not run"
+
+
+def test_backend_ab_runs_each_backend_every_round(tmp_path):
+    _, model_dir = make_tiny_checkpoint(tmp_path, "llama")
+    out = tmp_path / "ab.json"
+    native = "cpp" if jax.default_backend() == "cpu" else "pallas"  # this platform's own kernel
+    done = run_benchmark(
+        "backend_ab", "--model", str(model_dir), "--backends", "xla", native, "--max-num-seqs", "4",
+        "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "8", "--num-kv-blocks", "40",
+        "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--rounds", "2", "--result-json", str(out),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {b: len(v) for b, v in result["output_throughput_rounds"].items()} == {"xla": 2, native: 2}
+    assert set(result["median_output_throughput"]) == {"xla", native}
