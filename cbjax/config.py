@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
+from cbjax.core.sched.policy import check_scheduling_policy
 
 
 @dataclasses.dataclass
@@ -27,6 +28,9 @@ class EngineConfig:
     # Most requests that compute a prompt chunk (2+ tokens) in one step; the others' chunks wait a
     # step. It bounds the query tiles of the jnp attention, so decodes beside a chunk cost less.
     max_num_prefills: int = 8
+    # Who is admitted next and preempted first (vLLM's names): "fcfs" (arrival order) or "priority"
+    # (each request's `priority`, lower first, ties by arrival; the largest value is preempted first).
+    scheduling_policy: str = "fcfs"
     # Prompt-step buckets also at 1.5x each power of two from 64 tokens (96, 192, 384 at 512): a
     # prompt step pads at most a third of its rows, for 3 more compiled steps at start-up
     # (`cbjax serve`'s default: True).
@@ -78,6 +82,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
             )
+        check_scheduling_policy(self.scheduling_policy)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cbjax.arguments import UNSUPPORTED_LLM_OPTIONS, ArgumentTypeError, check_prompt, describe, reject_unsupported
+from cbjax.arguments import UNSUPPORTED_LLM_OPTIONS, ArgumentTypeError, check_int, check_prompt, describe, reject_unsupported
 from cbjax.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from cbjax.config import EngineConfig
 from cbjax.engine.llm_engine import LLMEngine, Prompt
@@ -59,8 +59,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt with continuous batching; outputs in input order."""
+        """Generate for every prompt with continuous batching; outputs in input order. `priority`
+        (vLLM's: one int per prompt, lower first) needs scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -80,15 +82,22 @@ class LLM:
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
                 "pass one SamplingParams or one per prompt"
             )
+        priority = [0] * len(prompts) if priority is None else priority
+        if not isinstance(priority, Sequence) or len(priority) != len(prompts):
+            raise ArgumentTypeError(
+                f"priority must be a list of one int per prompt ({len(prompts)}), got {describe(priority)}"
+            )
+        for index, value in enumerate(priority):
+            check_int(f"priority[{index}]", value)
         engine = self.llm_engine
         # Only the finished outputs are returned: as vLLM's LLM does, ask the engine for nothing else.
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, request_priority in zip(prompts, sampling_params, priority):
                 ids.append(str(self._next_id))
                 self._next_id += 1
-                engine.add_request(ids[-1], prompt, final_only[id(params)])
+                engine.add_request(ids[-1], prompt, final_only[id(params)], priority=request_priority)
         except ValueError as error:
             # One bad prompt rejects the call (as in vLLM); the ones already queued are withdrawn, nothing leaks.
             for request_id in ids[:-1]:
@@ -104,11 +113,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate (`priority`: one per conversation)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: the best params.beam_width sequences per prompt (see cbjax.entrypoints.beam_search)."""

@@ -110,3 +110,13 @@ def test_check_invariants_catches_double_ownership_and_lost_blocks():
 def test_too_small_pool_is_refused():
     with pytest.raises(ValueError, match="num_blocks is 1"):
         BlockManager(num_blocks=1, block_size=16)
+
+
+def test_append_block_takes_the_next_free_block_or_reports_there_is_none():
+    manager = BlockManager(num_blocks=3, block_size=2)
+    request = make_request("a", 2)
+    assert manager.append_block(request) and manager.append_block(request)
+    assert request.block_ids == [1, 2]  # the free queue's order
+    assert not manager.append_block(request), "the pool is empty"
+    assert request.block_ids == [1, 2] and manager.num_free_blocks == 0
+    manager.check_invariants([request])

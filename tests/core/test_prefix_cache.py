@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from cbjax.entrypoints.cli.args import add_engine_args, engine_options
 from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request
-from cbjax.core.sched.scheduler import Scheduler, SchedulerOutput
+from cbjax.core.sched.output import SchedulerOutput
+from cbjax.core.sched.scheduler import Scheduler
 from test_scheduler import Params
 
 

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
-from cbjax.core.sched.scheduler import Scheduler, SchedulerOutput
+from cbjax.core.sched.output import SchedulerOutput
+from cbjax.core.sched.policy import PriorityQueue, priority_key
+from cbjax.core.sched.scheduler import Scheduler
 
 
 @dataclass
@@ -341,6 +343,7 @@ class Arrival:
     prompt_token_ids: list[int]
     params: Params
     abort_step: int | None
+    priority: int = 0
 
 
 @st.composite
@@ -358,11 +361,12 @@ def configs(draw) -> dict:
         max_num_batched_tokens=draw(st.integers(1 if chunked else max_model_len, max_model_len + 8)),
         long_prefill_token_threshold=draw(st.integers(0, 6)) if chunked else 0,
         max_num_prefills=draw(st.none() | st.integers(1, 3)),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
 
 
 @st.composite
-def arrivals(draw, max_model_len: int) -> list[Arrival]:
+def arrivals(draw, max_model_len: int, with_priority: bool) -> list[Arrival]:
     result = []
     for index in range(draw(st.integers(1, 10))):
         num_prompt_tokens = draw(st.integers(1, max_model_len - 1))
@@ -376,12 +380,13 @@ def arrivals(draw, max_model_len: int) -> list[Arrival]:
         prompt = draw(st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=num_prompt_tokens,
                                max_size=num_prompt_tokens))
         result.append(Arrival(draw(st.integers(0, 8)), f"r{index}", prompt, params,
-                              draw(st.none() | st.integers(0, 30))))
+                              draw(st.none() | st.integers(0, 30)), draw(st.integers(0, 2)) if with_priority else 0))
     return result
 
 
 def new_request(arrival: Arrival) -> Request:
-    return Request(arrival.request_id, arrival.prompt_token_ids, arrival.params, [EOS_TOKEN_ID])
+    return Request(arrival.request_id, arrival.prompt_token_ids, arrival.params, [EOS_TOKEN_ID],
+                   priority=arrival.priority)
 
 
 def check_after_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -393,6 +398,9 @@ def check_after_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert scheduler.max_num_prefills is None or num_prefills <= scheduler.max_num_prefills
     request_ids = [item.request.request_id for item in output.scheduled]
     assert len(set(request_ids)) == len(request_ids)
+    if isinstance(scheduler.waiting, PriorityQueue):  # the running list is in preemption order: the last goes first
+        keys = [priority_key(request) for request in scheduler.running]
+        assert keys == sorted(keys)
     for item in output.scheduled:
         assert item.num_new_tokens >= 1
         end = item.start + item.num_new_tokens
@@ -440,7 +448,7 @@ def serve(config: dict, workload: list[Arrival], check: bool) -> dict[str, Reque
 
 
 def run_alone(config: dict, arrival: Arrival) -> Request:
-    alone = Arrival(0, arrival.request_id, arrival.prompt_token_ids, arrival.params, None)
+    alone = Arrival(0, arrival.request_id, arrival.prompt_token_ids, arrival.params, None, arrival.priority)
     return serve(config, [alone], check=False)[arrival.request_id]
 
 
@@ -448,7 +456,7 @@ def run_alone(config: dict, arrival: Arrival) -> Request:
 @given(st.data())
 def test_every_request_gets_exactly_the_tokens_it_would_get_alone(data):
     config = data.draw(configs())
-    workload = data.draw(arrivals(config["max_model_len"]))
+    workload = data.draw(arrivals(config["max_model_len"], config["scheduling_policy"] == "priority"))
     requests = serve(config, workload, check=True)
     for arrival in workload:
         request, reference = requests[arrival.request_id], run_alone(config, arrival)

@@ -148,11 +148,14 @@ class PriorityQueue(RequestQueue):
 SCHEDULING_POLICIES: dict[str, type[RequestQueue]] = {queue.name: queue for queue in (FcfsQueue, PriorityQueue)}
 
 
-def make_request_queue(scheduling_policy: str) -> RequestQueue:
-    queue = SCHEDULING_POLICIES.get(scheduling_policy)
-    if queue is None:
+def check_scheduling_policy(scheduling_policy: str) -> None:
+    if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(
             f"scheduling_policy={scheduling_policy!r} is not one of {sorted(SCHEDULING_POLICIES)}; "
             "pick 'fcfs' (arrival order) or 'priority' (lower priority value first)"
         )
-    return queue()
+
+
+def make_request_queue(scheduling_policy: str) -> RequestQueue:
+    check_scheduling_policy(scheduling_policy)
+    return SCHEDULING_POLICIES[scheduling_policy]()

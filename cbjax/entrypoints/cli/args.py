@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from cbjax.core.sched.policy import SCHEDULING_POLICIES
+
 
 def add_engine_args(
     parser: argparse.ArgumentParser, model_positional: bool = False, model_required: bool = True, variants: bool = False,
@@ -31,6 +33,11 @@ def add_engine_args(
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
         "--max-num-prefills", type=int, default=8, help="most requests computing a prompt chunk in one step"
+    )
+    parser.add_argument(
+        "--scheduling-policy", default="fcfs", choices=sorted(SCHEDULING_POLICIES),
+        help="fcfs: arrival order; priority: each request's priority, lower first, ties by arrival "
+             "(the largest is preempted first)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -77,7 +84,8 @@ def add_engine_args(
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills block_size num_kv_blocks "
+        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
+        "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
         "enable_prefix_caching async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
