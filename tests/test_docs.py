@@ -1,12 +1,16 @@
-"""docs/engine-options.md is what its generator makes from EngineConfig and the engine flags today."""
+"""The docs a newcomer reads stay true: docs/engine-options.md is what its generator makes from today's code,
+and every path README.md and docs/ name exists."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from cbjax.config import EngineConfig
 from cbjax.entrypoints.cli import engine_options
@@ -47,3 +51,30 @@ def test_generator_imports_no_jax():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def named_paths(doc: Path) -> set[Path]:
+    """The repository paths a doc names: `cbjax/...`-style paths in its text, and its relative links."""
+    text = doc.read_text()
+    roots = "cbjax|kernels_pallas|kernels_cpu|tests|scripts|benchmarks|docs"
+    paths = {REPO / match.split("::")[0] for match in re.findall(rf"(?<![\w./~-])(?:{roots})/[\w./-]*", text)}
+    for link in re.findall(r"\]\(([^)#\s]+)\)", text):
+        if "://" not in link:
+            paths.add((doc.parent / link).resolve())
+    return paths
+
+
+def test_named_paths_finds_code_paths_and_relative_links(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("See `cbjax/core/sched/policy.py`, tests/engine/test_engine.py::test_x, ~/.cache/cbjax/xla/ and "
+                   "[options](engine-options.md), [vLLM](https://docs.vllm.ai/x.md).")
+    assert named_paths(doc) == {
+        REPO / "cbjax/core/sched/policy.py", REPO / "tests/engine/test_engine.py", tmp_path / "engine-options.md"
+    }
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])
+def test_every_path_a_doc_names_exists(doc):
+    path = REPO / doc if doc == "README.md" else REPO / "docs" / doc
+    missing = sorted(str(p.relative_to(REPO)) for p in named_paths(path) if not p.exists())
+    assert not missing, f"{doc} names paths that do not exist: {missing}; fix the doc or restore the file"
