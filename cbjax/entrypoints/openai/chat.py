@@ -39,7 +39,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                       body.max_completion_tokens or body.max_tokens)
     params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     request_id = random_id("chatcmpl")
-    outputs = serving.merged_outputs(state.engine, [prompt], [params], request_id)
+    outputs = serving.merged_outputs(state.engine, [prompt], [params], request_id, priority=body.priority)
     if body.stream:
         work = serving.first_chunk_or_error(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs))
     else:

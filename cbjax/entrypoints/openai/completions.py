@@ -30,7 +30,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     max_tokens = [serving.check_context_length(state, len(p["prompt_token_ids"]), body.max_tokens) for p in prompts]
     params = [serving.sampling_params(body, limit, body.logprobs) for limit in max_tokens]
     request_id = random_id("cmpl")
-    outputs = serving.merged_outputs(state.engine, prompts, params, request_id)
+    outputs = serving.merged_outputs(state.engine, prompts, params, request_id, priority=body.priority)
     if body.stream:
         work = serving.first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
     else:

@@ -55,6 +55,7 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's extra field: lower is served first (needs --scheduling-policy priority)
 
 
 class CompletionRequest(SamplingFields):

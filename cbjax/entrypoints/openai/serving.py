@@ -97,18 +97,18 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
 
 
 async def merged_outputs(
-    engine: AsyncLLM, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str
+    engine: AsyncLLM, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str, *, priority: int
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every prompt's request as they come; leaving early aborts them all."""
     if len(prompts) == 1:
-        async for output in engine.generate(prompts[0], params[0], request_id):
+        async for output in engine.generate(prompts[0], params[0], request_id, priority=priority):
             yield 0, output
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | None] | BaseException] = asyncio.Queue()
 
     async def pump(index: int) -> None:
         try:
-            async for output in engine.generate(prompts[index], params[index], f"{request_id}-{index}"):
+            async for output in engine.generate(prompts[index], params[index], f"{request_id}-{index}", priority=priority):
                 queue.put_nowait((index, output))
             queue.put_nowait((index, None))
         except Exception as error:  # handed to the consumer, which raises it
