@@ -10,7 +10,7 @@
 //
 // Why: in a decode step the projections are skinny (8-64 rows against K x N weights), so they
 // are a stream over the weights. XLA:CPU's dots read them at about half the rate a plain sum
-// does (BENCHMARKS.md, section 15); with each panel contiguous the loop below streams them.
+// does (`python -m benchmarks.decode_dots_bandwidth`); with each panel contiguous the loop below streams them.
 // A pass keeps R rows x 32 columns of sums in registers while it walks down K, so each weight
 // is loaded once per R rows. Panels are claimed from a shared counter by the calling thread
 // and by helper tasks on XLA's intra-op threads (work_sharing.h), as the attention kernel's items are.

@@ -23,7 +23,7 @@ struct SharedItems {
 // Runs fn(i) for every i in [0, n) and returns when all have run. Items are claimed from a shared
 // counter by the caller and by helper tasks on XLA's pool. The caller is one of the workers, so
 // there is one helper fewer than the pool has threads: with one more, a thread descheduled while
-// holding the last items kept the others spinning (BENCHMARKS.md, section 15). Helpers hold the
+// holding the last items kept the others spinning (docs/benchmarks-history, section 15). Helpers hold the
 // state (fn and whatever it owns) by shared_ptr: one that starts after the call returned finds
 // no item left and touches nothing else.
 template <typename Fn>

@@ -183,8 +183,8 @@ def ragged_paged_attention_reference(
         in_seq = kv_pos[None, :] < seq_len[:, None]  # [W, tile]
         v = jnp.where(in_seq[None, :, :, None], v, 0.0)
         valid = (kv_pos[None, None, :] <= position[:, :, None]) & row_real[:, :, None]  # [W, Bq, tile]
-        # Batched dots (YNNPACK on XLA:CPU), also for one-query tiles: 1.6-2x faster per decode
-        # layer than the multiply-and-reduce this replaced (BENCHMARKS.md section 7).
+        # Batched dots (YNNPACK on XLA:CPU), also for one-query tiles: faster per decode layer than
+        # the multiply-and-reduce this replaced (`python -m benchmarks.cpu_steps`).
         s = jnp.einsum("kwbgd,kwtd->kwbgt", qg, k)
         s = jnp.where(valid[None, :, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))

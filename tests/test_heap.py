@@ -36,7 +36,7 @@ def test_release_free_heap_returns_a_threads_freed_arena_memory():
 
 def test_freeze_gc_heap_takes_what_is_alive_out_of_later_collections():
     """What `cbjax serve` and `cbjax worker` do once ready: objects alive then are never scanned again
-    by the cyclic collector (its full collections paused a 256-request loop ~80 ms, BENCHMARKS.md
+    by the cyclic collector (its full collections paused a 256-request loop ~80 ms, docs/benchmarks-history,
     section 10), while objects made later still are."""
     import gc
 

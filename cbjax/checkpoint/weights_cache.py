@@ -1,7 +1,7 @@
 """A memory-mapped copy of a checkpoint's weights, written on its first load and mapped by later ones.
 
-Restoring SmolLM2's 540 MB of float32 weights through orbax took seconds (BENCHMARKS.md section
-13), and the restored host arrays plus their device copies held the weights twice. XLA:CPU takes a
+Restoring SmolLM2's 540 MB of float32 weights through orbax took seconds (`python -m
+benchmarks.startup_timeline`), and the restored host arrays plus their device copies held the weights twice. XLA:CPU takes a
 64-byte-aligned host array as a device buffer without copying it (`device_put(may_alias=True)`),
 so weights mapped from one file are loaded in milliseconds, never copied, and read from the page
 cache as the first steps touch them. The file is a standard safetensors file whose tensors start

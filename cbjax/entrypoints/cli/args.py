@@ -17,9 +17,8 @@ def add_engine_args(
     `server` (`cbjax serve` and its multi-host workers, which must compile the same steps): defaults
     for a long-lived process answering requests as they come, where time to first token counts
     more than start-up. Prompt-bucket midpoints are on, and async scheduling is "auto" (None: on a
-    CPU, overlapping only while every seat is taken; LLMEngine._overlaps). At 1 req/s against
-    `vllm serve` (BENCHMARKS.md section 9): median TTFT 289 ms with these defaults, 329-363 ms with
-    the midpoints and async always on, 392 ms with neither; vLLM 370 ms.
+    CPU, overlapping only while every seat is taken; LLMEngine._overlaps). They gave the lowest median
+    TTFT at 1 req/s against `vllm serve` (`scripts/bench_serve_side_by_side.sh`; BENCHMARKS.md).
     """
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,

@@ -11,15 +11,15 @@ MIN_ROWS = 2
 
 # With prompt_bucket_midpoints, mixed buckets also come at 1.5x each power of two from this many
 # tokens up (96, 192, 384, ...).
-# There a step's time grows with its rows, padded or real alike (SmolLM2, 16 seqs, CPU: 64 -> 512
-# rows ran 366 -> 2157 ms), and the typical prompt step (a prompt of 64-192 tokens beside the
-# running decodes) landed just above a power of two: a median of 173 tokens in a 256-token bucket
-# (BENCHMARKS.md section 9). With the midpoints a step pads at most a third of its rows instead of
+# There a step's time grows with its rows, padded or real alike (`python -m benchmarks.step_compile_times
+# --calls N`), and the typical prompt step (a prompt of 64-192 tokens beside the running decodes)
+# landed just above a power of two: a median of 173 tokens in a 256-token bucket
+# (docs/benchmarks-history, section 9). With the midpoints a step pads at most a third of its rows instead of
 # a half, for one more compile per octave (3 at the default 512 tokens). Off by default for LLM():
-# those 3 compiles and warm-up runs made a warm LLM() 1.46x slower and a cold one 1.43x (BENCHMARKS.md
-# section 9), which costs more than it saves for offline batches, whose prompt steps fill their
+# those 3 compiles and warm-up runs make LLM() start slower (`python -m benchmarks.ab --benchmark startup`),
+# which costs more than it saves for offline batches, whose prompt steps fill their
 # buckets anyway. On by default for `cbjax serve`: a server starts once and answers prompts beside
-# running decodes (its median TTFT at 1 req/s fell from 392 to 289-363 ms, BENCHMARKS.md section 9).
+# running decodes (its median TTFT at 1 req/s falls: `scripts/bench_serve_side_by_side.sh`, BENCHMARKS.md).
 MIDPOINTS_FROM = 64
 
 

@@ -115,7 +115,7 @@ class StepCache:
     """Compiled steps stored whole, keyed without tracing them, so a warm start skips tracing too.
 
     JAX's persistent cache keys an executable by its HLO, so every start traces and lowers each
-    step first, which took longer than loading it for SmolLM2 (BENCHMARKS.md section 13). This cache keys a step by what
+    step first, which took longer than loading it for SmolLM2 (`python -m benchmarks.startup_timeline`). This cache keys a step by what
     its program is made from: the sources of the packages it is traced from, the jax version,
     device and CPU (the folder, see compile_cache_folder), XLA flags and jax's settings, the
     model's structure and the shapes, dtypes and shardings of every argument. A key it does not
