@@ -17,8 +17,9 @@ def add_engine_args(
     `server` (`cbjax serve` and its multi-host workers, which must compile the same steps): defaults
     for a long-lived process answering requests as they come, where time to first token counts
     more than start-up. Prompt-bucket midpoints are on, and async scheduling is "auto" (None: on a
-    CPU, overlapping only while every seat is taken; LLMEngine._overlaps). They gave the lowest median
-    TTFT at 1 req/s against `vllm serve` (`scripts/bench_serve_side_by_side.sh`; BENCHMARKS.md).
+    CPU, overlapping only while every seat is taken; LLMEngine._overlaps). Chosen on median TTFT at
+    1 req/s against `vllm serve` and the server's throughput (`scripts/bench_serve_side_by_side.sh`,
+    `python -m benchmarks.server_vs_offline`; BENCHMARKS.md).
     """
     if model_positional:  # `cbjax serve [MODEL]`, as `vllm serve MODEL`
         parser.add_argument("model", nargs="?", default=None,
