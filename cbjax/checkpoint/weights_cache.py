@@ -1,14 +1,14 @@
 """A memory-mapped copy of a checkpoint's weights, written on its first load and mapped by later ones.
 
 Restoring SmolLM2's 540 MB of float32 weights through orbax took seconds (`python -m
-benchmarks.startup_timeline`), and the restored host arrays plus their device copies held the weights
-twice. XLA:CPU takes a 64-byte-aligned host array as a device buffer without copying it
-(`device_put(may_alias=True)`), so weights mapped from one file are loaded in milliseconds, never copied, and read from the page
-cache as the first steps touch them. The file is a standard safetensors file whose tensors start
-on 64-byte boundaries; it lives in `cache_dir()/weights/`, keyed by the checkpoint's path, its
-files' sizes and times, the dtype and the model's parameter set, so a re-converted checkpoint or a
-changed model never maps a stale copy (the stale file of that checkpoint and dtype is deleted when
-the new one is written).
+benchmarks.startup_timeline`), and the restored host arrays plus their device copies held the
+weights twice. XLA:CPU takes a 64-byte-aligned host array as a device buffer without copying it
+(`device_put(may_alias=True)`), so weights mapped from one file are loaded in milliseconds, never
+copied, and read from the page cache as the first steps touch them. The file is a standard
+safetensors file whose tensors start on 64-byte boundaries; it lives in `cache_dir()/weights/`,
+keyed by the checkpoint's path, its files' sizes and times, the dtype and the model's parameter set,
+so a re-converted checkpoint or a changed model never maps a stale copy (the stale file of that
+checkpoint and dtype is deleted when the new one is written).
 """
 
 from __future__ import annotations
