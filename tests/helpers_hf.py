@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
 }
 
 TINY_DEFAULTS = dict(
@@ -43,6 +44,7 @@ ARCH_DEFAULTS = {
     "mistral": dict(sliding_window=None),  # sliding-window attention is rejected by cbjax
     "qwen2": {},
     "qwen3": dict(head_dim=32),  # head_dim != hidden_size / num_attention_heads (16)
+    "olmo2": dict(pad_token_id=0),  # its default pad id 1 is the tiny models' bos
 }
 
 

@@ -40,12 +40,12 @@ from cbjax.worker.sample.sharded import (  # noqa: E402
     sample_from_candidates,
     sample_vocab_sharded,
 )
-from cbjax.models.layers.attention import MODEL_AXIS  # noqa: E402
+from cbjax.models.layers.mesh import MODEL_AXIS  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
 # once, so some are preempted and recomputed.
-KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}
+KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920, "olmo2": 40960}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
 # Seeded sampling: the first two rows take the devices' candidates under TP, the third (top-p alone)
@@ -196,16 +196,18 @@ def main() -> None:
     llama = make_tiny_checkpoint(tmp / "llama", "llama")  # 4 heads, 2 KV heads
     qwen2 = make_tiny_checkpoint(tmp / "qwen2", "qwen2")  # q/k/v biases, split and repeated with their columns
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
+    olmo2 = make_tiny_checkpoint(tmp / "olmo2", "olmo2", num_key_value_heads=1)  # k_norm over a repeated KV head
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
     # interpreted Pallas kernels serve the TP=2 run, the jnp reference one more TP=4 run.
     llama_tp2 = serve("llama", llama[1], 2, compiles, "pallas_interpret")
     result = {
-        "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0])},
+        "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0]), "olmo2": str(olmo2[0])},
         "prompts": prompts(),
         "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles)},
         "qwen2": {4: serve("qwen2", qwen2[1], 4, compiles)},
         "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
+        "olmo2": {4: serve("olmo2", olmo2[1], 4, compiles)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),

@@ -138,7 +138,7 @@ def cmd_kv_capacity(args: argparse.Namespace) -> None:
 
     from cbjax.bench.dataset import random_requests
     from cbjax.models.config import ModelConfig
-    from cbjax.models.llama import kv_cache_bytes_per_block
+    from cbjax.models.registry import kv_cache_bytes_per_block
 
     config = ModelConfig.from_dir(args.model)
     dtype = "float32" if args.dtype == "auto" else args.dtype

@@ -1,5 +1,7 @@
 """Turn a llama-architecture GGUF file into a Hugging Face checkpoint directory.
 
+Tensor names come from the model registry's GGUF names (cbjax.models.registry.LLAMA_GGUF).
+
 The directory holds what `transformers` and `cbjax convert` read:
   model.safetensors          float32, dequantized, HF tensor names and Q/K row order
                              (sharded with an index past `max_shard_bytes`)
@@ -25,25 +27,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from tqdm import tqdm
 
+from cbjax.models.registry import ARCHITECTURES, GGUFNames, gguf_architecture
+
 # Hugging Face's default shard size ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED are added but not special.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -63,14 +50,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, max_shard_bytes: int
     """Write the Hugging Face directory for `gguf_path` into `out_dir` and return `out_dir`."""
     reader = GGUFReader(gguf_path)
     metadata = read_metadata(reader)
-    check_llama_architecture(metadata, gguf_path)
+    names = gguf_names(metadata, gguf_path)
     # Everything that can refuse the file runs before the first byte is written.
     config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
     tokenizer = build_tokenizer(metadata)
-    check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"])
+    check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"], names)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_weights(reader, config, out_dir, max_shard_bytes)
+    _write_weights(reader, config, names, out_dir, max_shard_bytes)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     _write_tokenizer_files(tokenizer, metadata, out_dir)
@@ -92,13 +79,17 @@ def read_metadata(reader: GGUFReader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def check_llama_architecture(metadata: dict, gguf_path: str | Path) -> None:
+def gguf_names(metadata: dict, gguf_path: str | Path) -> GGUFNames:
+    """The tensor names of the file's architecture, from the model registry entry that has GGUF names for it."""
     architecture = metadata.get("general.architecture")
-    if architecture != "llama":
+    entry = gguf_architecture(architecture)
+    if entry is None:
+        supported = ", ".join(repr(e.gguf.architecture) for e in ARCHITECTURES.values() if e.gguf)
         raise ValueError(
-            f"{gguf_path} has general.architecture={architecture!r}; the GGUF importer supports only 'llama'; "
+            f"{gguf_path} has general.architecture={architecture!r}; the GGUF importer supports only {supported}; "
             "convert the original Hugging Face checkpoint with `cbjax convert` instead"
         )
+    return entry.gguf
 
 
 # --- config ------------------------------------------------------------------------------------------------
@@ -176,24 +167,24 @@ def _int_key(metadata: dict, key: str, default: int | None = None) -> int:
 # --- weights -----------------------------------------------------------------------------------------------
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, names: GGUFNames) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in names.global_tensors:
+        return names.global_tensors[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names.layer_tensors:
+        return f"model.layers.{parts[1]}.{names.layer_tensors[parts[2]]}"
     raise ValueError(
-        f"GGUF tensor {gguf_name!r} has no Llama counterpart; known names are {sorted(_GLOBAL_TENSORS)} "
-        f"and blk.N.{{{', '.join(_LAYER_TENSORS)}}}; this file is not a plain Llama model"
+        f"GGUF tensor {gguf_name!r} has no Llama counterpart; known names are {sorted(names.global_tensors)} "
+        f"and blk.N.{{{', '.join(names.layer_tensors)}}}; this file is not a plain Llama model"
     )
 
 
-def check_tensors(gguf_names: list[str], num_layers: int) -> None:
+def check_tensors(gguf_names: list[str], num_layers: int, names: GGUFNames) -> None:
     """Every tensor has a Llama name, and every tensor a Llama model needs is there."""
-    present = {hf_tensor_name(name) for name in gguf_names}
-    needed = {_GLOBAL_TENSORS[name] for name in ("token_embd.weight", "output_norm.weight")}
-    needed |= {f"model.layers.{layer}.{name}" for layer in range(num_layers) for name in _LAYER_TENSORS.values()}
+    present = {hf_tensor_name(name, names) for name in gguf_names}
+    needed = {names.global_tensors[name] for name in names.required_global}
+    needed |= {f"model.layers.{layer}.{name}" for layer in range(num_layers) for name in names.layer_tensors.values()}
     missing = sorted(needed - present)
     if missing:
         raise ValueError(
@@ -208,9 +199,9 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader: GGUFReader, config: dict, out_dir: Path, max_shard_bytes: int) -> None:
+def _write_weights(reader: GGUFReader, config: dict, gguf: GGUFNames, out_dir: Path, max_shard_bytes: int) -> None:
     # GGUF lists dimensions fastest-first; reversed, they are the HF [out, in] shape that dequantize returns.
-    names = [hf_tensor_name(tensor.name) for tensor in reader.tensors]
+    names = [hf_tensor_name(tensor.name, gguf) for tensor in reader.tensors]
     shapes = [tuple(int(d) for d in reversed(tensor.shape)) for tensor in reader.tensors]
     rope_heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     shards = _plan_shards([4 * math.prod(shape) for shape in shapes], max_shard_bytes)

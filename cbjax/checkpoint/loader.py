@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,26 +17,36 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import LlamaForCausalLM, fuse_projections, pack_linears
+from cbjax.models.llama import fuse_projections, pack_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
-if TYPE_CHECKING:
-    from cbjax.worker.distributed.sharding import TensorParallel
+
+class ShardedPlacement(Protocol):
+    """What a load under tensor parallelism asks of the mesh (cbjax.worker.distributed.sharding.TensorParallel)."""
+
+    def restore_sharding(self, name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding: ...
+
+    def weight_sharding(self, name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding: ...
+
+    def repeat_kv_heads(self, params: dict[str, np.ndarray | jax.Array], config: ModelConfig) -> dict[str, np.ndarray | jax.Array]: ...
+
+    def serving_config(self, config: ModelConfig) -> ModelConfig: ...
 
 
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
-    tensor_parallel: TensorParallel | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly.
+    tensor_parallel: ShardedPlacement | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
+) -> tuple[nnx.Module, ModelConfig]:
+    """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly,
+    into the class of its architecture's registry entry.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
-    activation_dtype: see LlamaForCausalLM (None: the same as the weights).
+    activation_dtype: see models.llama.LlamaForCausalLM (None: the same as the weights).
     Every tensor's name, shape and dtype is checked against the model before anything is restored.
     tensor_parallel: orbax restores each tensor straight into its sharding (an HF directory is read
     on the host, then each tensor is put into its sharding), so no device ever holds the whole
     model; KV heads are repeated as it says, and the config returned is the served one.
-    fused_projections: the model of LlamaForCausalLM(fused_projections=True), its fused kernels made
+    fused_projections: the model built with fused_projections=True, its fused kernels made
     from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
     """
     ckpt_dir = Path(ckpt_dir)
@@ -117,7 +127,7 @@ def _fill_model(
     config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
     place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jax.device_put(array, may_alias=True),
     fused_projections: bool = False,
-) -> LlamaForCausalLM:
+) -> nnx.Module:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by

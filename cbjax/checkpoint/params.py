@@ -15,10 +15,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.models.config import ModelConfig
-from cbjax.models.llama import LlamaForCausalLM
-
-# Buffers some checkpoints carry that are recomputed from the config, never loaded.
-_RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
+from cbjax.models.registry import architecture, model_class
 
 
 class _FixedKey:
@@ -34,8 +31,8 @@ class _FixedKey:
 
 
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None,
-                   fused_projections: bool = False) -> LlamaForCausalLM:
-    """The model with shapes and dtypes only: no memory, no random init."""
+                   fused_projections: bool = False) -> nnx.Module:
+    """The model (its registry entry's class) with shapes and dtypes only: no memory, no random init."""
     return nnx.merge(*abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
                                      fused_projections))
 
@@ -46,8 +43,8 @@ def abstract_split(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """nnx.split of the abstract model (read-only: callers replace its variables, never set them)."""
     return nnx.split(nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey(),
-                                 fused_projections=fused_projections)
+        lambda: model_class(config)(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey(),
+                                    fused_projections=fused_projections)
     ))
 
 
@@ -66,16 +63,14 @@ def expected_params(
 
 
 def hf_to_param(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray] | None:
-    """Map one HF tensor to (our name, our layout); None for tensors the model does not load."""
-    if hf_name.endswith(_RECOMPUTED_SUFFIXES):
+    """Map one HF tensor to (our name, our layout); None for tensors the model does not load.
+    The name is the registry entry's; a linear's kernel is transposed (nn.Linear [out, in] -> nnx [in, out])."""
+    name = architecture(config.architecture).param_name(hf_name, tensor.ndim, config.tie_word_embeddings)
+    if name is None:
         return None
-    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-        return None  # some tied checkpoints still store the head; it equals the embedding
-    if hf_name == "model.embed_tokens.weight":
-        return "model.embed_tokens.embedding", tensor
-    if hf_name.endswith(".weight") and tensor.ndim == 2:  # nn.Linear [out, in] -> nnx.Linear kernel [in, out]
-        return hf_name.removesuffix(".weight") + ".kernel", np.ascontiguousarray(tensor.T)
-    return hf_name, tensor
+    if name.endswith(".kernel"):
+        return name, np.ascontiguousarray(tensor.T)
+    return name, tensor
 
 
 def cast_param(name: str, tensor: np.ndarray, dtype: jnp.dtype) -> np.ndarray:

@@ -28,7 +28,7 @@ from cbjax.engine.request_book import Prompt, RequestBook, tokenize_prompt
 from cbjax.worker.model_runner import SUPPRESS_LEN, LaunchedStep, ModelRunner, kv_cache_dtype
 from cbjax.core.sched.scheduler import Scheduler
 from cbjax.worker.distributed.sharding import TensorParallel
-from cbjax.models.llama import kv_cache_bytes_per_block
+from cbjax.models.registry import kv_cache_bytes_per_block
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer

@@ -5,19 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from cbjax.models.registry import architecture_of_hf_config
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-
-# config.json files without "architectures" (e.g. written from a bare config) still name their model_type.
-_ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +27,9 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder; hashable, so it can be static under jit."""
+    """Shape and numerics of a decoder; hashable, so it can be static under jit."""
 
-    architecture: str
+    architecture: str  # the Hugging Face name of its cbjax.models.registry entry
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,7 +60,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read a transformers 4.x or 5.x config.json dict; reject what the engine cannot run exactly."""
-        architecture = _architecture(hf)
+        entry = architecture_of_hf_config(hf)
         hidden_act = hf.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported; supported: 'silu'")
@@ -78,12 +72,10 @@ class ModelConfig:
                 f"num_key_value_heads={num_key_value_heads}; grouped-query attention needs it to be"
             )
         rope_theta, rope_scaling = _rope(hf)
-        _reject_sliding_window(hf, architecture)
-        is_qwen2, is_qwen3 = architecture == "Qwen2ForCausalLM", architecture == "Qwen3ForCausalLM"
-        attention_bias = bool(hf.get("attention_bias", False))
+        _reject_sliding_window(hf, entry.sliding_window_in_use)
         eos = hf.get("eos_token_id")
         return cls(
-            architecture=architecture,
+            architecture=entry.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -96,23 +88,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or attention_bias,
-            attention_out_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=is_qwen3,
+            **entry.config_fields(hf),
             dtype=_dtype(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
-
-
-def _architecture(hf: dict[str, Any]) -> str:
-    architectures = hf.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(hf.get("model_type", ""), "")]
-    architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        named = architecture or f"model_type={hf.get('model_type')!r}"
-        raise ValueError(f"architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return architecture
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
@@ -140,7 +120,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     )
 
 
-def _reject_sliding_window(hf: dict[str, Any], architecture: str) -> None:
+def _reject_sliding_window(hf: dict[str, Any], in_use_without_layer_types: Callable[[dict[str, Any]], bool]) -> None:
     """Sliding-window attention is not implemented: refuse any config where the window would bind.
 
     A window at least max_position_embeddings long never masks anything, so it is exact to ignore.
@@ -152,10 +132,8 @@ def _reject_sliding_window(hf: dict[str, Any], architecture: str) -> None:
         return
     if "layer_types" in hf and hf["layer_types"] is not None:
         in_use = "sliding_attention" in hf["layer_types"]
-    elif architecture == "MistralForCausalLM":
-        in_use = True
-    else:  # Qwen2/3 without layer_types (4.x): the window applies only when enabled, from max_window_layers on
-        in_use = bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+    else:  # the family's rule (the registry's sliding_window_in_use)
+        in_use = in_use_without_layer_types(hf)
     if in_use:
         raise ValueError(
             f"sliding_window={window} < max_position_embeddings={max_positions}: sliding-window attention is "

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in flax.nnx, written for the paged engine.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in flax.nnx, written for the paged engine;
+its layers are the ones other families (cbjax.models.olmo2) compose.
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), so the
 checkpoint mapping is one rule per parameter kind. Linear kernels are [in, out] (HF's transposed),
@@ -6,7 +7,7 @@ or on a CPU packed for the C++ matmul kernel at load (`pack_linears`).
 
 One forward runs a flat ragged batch of new tokens: each layer writes its new K/V into its
 blocks of the page pool, then attends over them. The pool is one K and one V array for all
-layers, layer l's copy of block b at l * num_blocks + b (`init_kv_pool`): a step's call passes
+layers, layer l's copy of block b at l * num_blocks + b (layers/kv_pool.py): a step's call passes
 two pool arrays, not two per layer (JAX's dispatch pays per array; see `hidden_states`).
 Nothing is mutated in __call__: the updated pool is returned, so `nnx.merge(graphdef, state)`
 inside a jitted function traces cleanly.
@@ -26,11 +27,8 @@ from cbjax.models.config import ModelConfig
 from cbjax.models.layers.rope import apply_rope, rope_inv_freq
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
 from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
+from cbjax.models.layers.kv_pool import KVPool
 from kernels_pallas.reference import AttentionMetadata
-
-KVPages = Float[Array, "kv_heads blocks block_size dim"]
-# Every layer's pages: [kv_heads, num_hidden_layers * num_blocks, block_size, head_dim] (init_kv_pool).
-KVPool = tuple[KVPages, KVPages]
 
 # Column blocks of the transposed tied head (separate arrays: slicing one array inside the step
 # makes XLA:CPU copy it). A [16, 576] x [576, 49152] bf16 head took 3.5 ms whole, 2.9 ms in 4.
@@ -149,11 +147,7 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "tokens hidden"], KVPool]:
         config = self.config
         num_tokens = x.shape[0]
-        if self.fused:
-            q_width, kv_width = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-            q, k, v = jnp.split(self.qkv_proj(x, plan), [q_width, q_width + kv_width], axis=-1)
-        else:
-            q, k, v = self.q_proj(x, plan), self.k_proj(x, plan), self.v_proj(x, plan)
+        q, k, v = self.project(x, plan)
         q = q.reshape(num_tokens, config.num_attention_heads, config.head_dim)
         k = k.reshape(num_tokens, config.num_key_value_heads, config.head_dim)
         v = v.reshape(num_tokens, config.num_key_value_heads, config.head_dim)
@@ -163,6 +157,17 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.head_dim**-0.5, plan)
         return self.o_proj(out.reshape(num_tokens, -1), plan), kv_pool
+
+
+    def project(
+        self, x: Float[Array, "tokens hidden"], plan: AttentionPlan
+    ) -> tuple[Float[Array, "tokens q_width"], Float[Array, "tokens kv_width"], Float[Array, "tokens kv_width"]]:
+        """q, k and v, each heads x head_dim wide (split from the fused kernel's columns where fused)."""
+        if self.fused:
+            q_width = self.config.num_attention_heads * self.config.head_dim
+            kv_width = self.config.num_key_value_heads * self.config.head_dim
+            return tuple(jnp.split(self.qkv_proj(x, plan), [q_width, q_width + kv_width], axis=-1))
+        return self.q_proj(x, plan), self.k_proj(x, plan), self.v_proj(x, plan)
 
 
 class MLP(nnx.Module):
@@ -220,10 +225,10 @@ def _decoder_layer(
 
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
-                 fused: bool = False):
+                 fused: bool = False, decoder_layer: type[nnx.Module] = DecoderLayer):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            DecoderLayer(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
+            decoder_layer(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
             for _ in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -240,7 +245,12 @@ class LlamaForCausalLM(nnx.Module):
     `fused_projections`: each layer's q/k/v kernels as one `qkv_proj` and gate/up as one
     `gate_up_proj` (their columns side by side; `fuse_projections` makes them from a checkpoint's
     separate ones): two dots fewer per layer, and 3 arrays fewer per layer in every step's call.
+
+    A family that differs only inside its decoder layer (cbjax.models.olmo2) subclasses this with its
+    own `decoder_layer`: the embedding, the layer loop over the paged pool and the head stay these.
     """
+
+    decoder_layer: type[nnx.Module] = DecoderLayer
 
     def __init__(
         self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
@@ -249,7 +259,8 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
-        self.model = LlamaModel(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused_projections)
+        self.model = LlamaModel(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused_projections,
+                                decoder_layer=self.decoder_layer)
         # Tied models reuse the embedding matrix as the LM head, so there is no lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, False, dtype, rngs, activation_dtype
@@ -331,16 +342,3 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
-
-
-def init_kv_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVPool:
-    """The zeroed page pool of every layer: (k_pages, v_pages), each [kv_heads, num_hidden_layers *
-    num_blocks, block_size, head_dim]; layer l's copy of block b is page l * num_blocks + b."""
-    shape = (config.num_key_value_heads, config.num_hidden_layers * num_blocks, block_size, config.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    """Bytes one block id costs across all layers (K and V): what pool sizing divides memory by."""
-    per_layer = 2 * config.num_key_value_heads * block_size * config.head_dim * jnp.dtype(dtype).itemsize
-    return per_layer * config.num_hidden_layers

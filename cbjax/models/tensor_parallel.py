@@ -1,9 +1,10 @@
-"""How Megatron-style tensor parallelism splits each Llama-family parameter over N devices.
+"""Which tensor-parallel sizes split a model, and the shape each device holds of a parameter.
 
-q/k/v and gate/up are split by output columns, o and down by input rows (one all-reduce after
-each), the embedding and the LM head by vocabulary. When a model has fewer KV heads than devices,
-each KV head is replicated until every device holds one (as vLLM and tpu-inference do), so k/v
-and the KV pool take a full head per device.
+Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
+split by output columns, o and down by input rows (one all-reduce after each), the embedding and
+the LM head by vocabulary. When a model has fewer KV heads than devices, each KV head is
+replicated until every device holds one (as vLLM and tpu-inference do), so k/v and the KV pool
+take a full head per device. No JAX here: `cbjax plan` and the mesh building both use it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import math
 
 from cbjax.models.config import ModelConfig
+from cbjax.models.registry import TensorParallelPlan, architecture
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernels [in, out]: out split
-ROW_PARALLEL = ("o_proj", "down_proj")  # kernels [in, out]: in split; biases replicated (added after the all-reduce)
+
+def tensor_parallel_plan(config: ModelConfig) -> TensorParallelPlan:
+    return architecture(config.architecture).tensor_parallel
 
 
 def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
@@ -57,14 +60,15 @@ def shard_shape(
     path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig, tensor_parallel_size: int
 ) -> tuple[int, ...]:
     """The shape one device holds of the parameter at `path` (nnx state path names)."""
-    n = tensor_parallel_size
+    n, plan = tensor_parallel_size, tensor_parallel_plan(config)
     module, name = path[-2], path[-1]
-    if module in ("k_proj", "v_proj"):  # out = KV heads x head_dim, replicated up to one head per device
-        out = kv_heads_per_device(config.num_key_value_heads, n) * config.head_dim
-        return (*shape[:-1], out)
-    if module in COLUMN_PARALLEL:
+    if module in plan.kv_head_columns:  # KV heads x head_dim, replicated up to one head per device
+        heads = config.num_key_value_heads  # a replicated one (OLMo-2's k_norm) holds every repeated head
+        per_device = kv_heads_per_device(heads, n) if module in plan.column_parallel else heads * max(n // heads, 1)
+        return (*shape[:-1], per_device * config.head_dim)
+    if module in plan.column_parallel:
         return (*shape[:-1], shape[-1] // n)
-    if module in ROW_PARALLEL and name == "kernel":
+    if module in plan.row_parallel and name == "kernel":
         return (shape[0] // n, *shape[1:])
     if module == "embed_tokens":  # [vocab, hidden]; the vocabulary is padded up to a multiple of N
         return (math.ceil(shape[0] / n), *shape[1:])

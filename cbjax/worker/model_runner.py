@@ -41,7 +41,7 @@ from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import init_kv_pool
+from cbjax.models.layers.kv_pool import init_kv_pool
 from kernels_cpu import kernel_problem, kernel_registered, registration_deferred
 from cbjax.models.layers.attention import AttentionPlan, cpu_kernel_fallback
 from kernels_pallas.lowering import lowering_target

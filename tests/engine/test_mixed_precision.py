@@ -10,7 +10,7 @@ from flax import nnx
 from helpers_hf import hf_logits, make_tiny_hf_model
 
 from cbjax.checkpoint import convert_checkpoint, load_model
-from cbjax.models.llama import init_kv_pool
+from cbjax.models.layers.kv_pool import init_kv_pool
 from kernels_pallas import AttentionMetadata
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 8

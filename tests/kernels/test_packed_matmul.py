@@ -130,7 +130,7 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
     """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
     from kernels_pallas import AttentionMetadata
-    from cbjax.models.llama import init_kv_pool
+    from cbjax.models.layers.kv_pool import init_kv_pool
 
     n = len(token_ids)
     caches = init_kv_pool(model.config, 4, 16, jnp.float32)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from cbjax.checkpoint import convert_checkpoint, load_model
-from cbjax.models.llama import init_kv_pool
+from cbjax.models.layers.kv_pool import init_kv_pool
 from helpers_hf import hf_logits, make_tiny_hf_model
 from kernels_pallas import AttentionMetadata
 from cbjax.models.layers.attention import AttentionPlan
@@ -39,6 +39,8 @@ CASES = {
     "mistral_gqa4": ("mistral", dict(num_key_value_heads=1)),
     "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3_qk_norm_head_dim32": ("qwen3", {}),
+    # q/k norms over the whole projection, post-attention and post-MLP norms; biases on q/k/v and o.
+    "olmo2_whole_qk_norm_with_biases": ("olmo2", dict(attention_bias=True)),
 }
 
 
@@ -56,8 +58,9 @@ class Loaded:
 # serves on a CPU (a GPU serves them fused, unpacked).
 LAYOUTS = ("plain", "packed", "fused+packed")
 # Fused on the cases whose fused kernels differ most: biases on q/k/v and the MLP, a 16-wide k/v
-# (its fused kernel packs though k and v alone would not), q/k/v biases with a tied head.
-FUSED_CASES = ("llama3_rope_with_biases", "mistral_gqa4", "qwen2_qkv_bias_tied")
+# (its fused kernel packs though k and v alone would not), q/k/v biases with a tied head, and q/k
+# norms that must apply after the fused columns are split.
+FUSED_CASES = ("llama3_rope_with_biases", "mistral_gqa4", "qwen2_qkv_bias_tied", "olmo2_whole_qk_norm_with_biases")
 
 
 @pytest.fixture(scope="module", ids="-".join, params=[

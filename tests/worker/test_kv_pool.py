@@ -15,7 +15,8 @@ from flax import nnx
 
 from cbjax.checkpoint.params import abstract_model
 from cbjax.models.config import ModelConfig, RopeScaling
-from cbjax.models.llama import LlamaForCausalLM, init_kv_pool
+from cbjax.models.layers.kv_pool import init_kv_pool
+from cbjax.models.llama import LlamaForCausalLM
 from kernels_pallas import AttentionMetadata
 from cbjax.models.layers.attention import AttentionPlan
 

@@ -5,7 +5,7 @@ for CUDA with those shardings, from a checkpoint or from a config alone (abstrac
 
 The engines run in one subprocess (tensor_parallel_checks.py): the device count is fixed when
 jax starts. Tiny configs: hidden 64, intermediate 128, vocab 320, 4 heads of 16 (Qwen3: of 32),
-2 KV heads (Qwen3: 1).
+2 KV heads (Qwen3, OLMo-2: 1).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def findings() -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4")])
+@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4"), ("olmo2", "4")])
 def test_greedy_outputs_equal_transformers(findings, arch, tp):
     # TP=4 runs the C++ CPU kernel per device; TP=2 the interpreted Pallas kernels
     # Prompts of 60/45/37 tokens are prefilled in chunks of at most 32, and the 20-block pool preempts.
@@ -91,18 +91,30 @@ def test_weights_split_megatron_style(findings, tp):
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp", "pool_heads"), [("llama", "2", 2), ("llama", "4", 4), ("qwen2", "4", 4), ("qwen3", "4", 4)]
+    ("arch", "tp", "pool_heads"),
+    [("llama", "2", 2), ("llama", "4", 4), ("qwen2", "4", 4), ("qwen3", "4", 4), ("olmo2", "4", 4)],
 )
 def test_pool_split_over_kv_heads_sized_per_device(findings, arch, tp, pool_heads):
     run = findings[arch][tp]
     head_dim = 32 if arch == "qwen3" else 16
     # Per device a block costs 2 layers x (K, V) x 1 KV head x 8 tokens x head_dim x 4 bytes.
     per_device_block = 2 * 2 * 1 * 8 * head_dim * 4
-    budget = {"llama": 40960, "qwen2": 40960, "qwen3": 81920}[arch]  # kv_cache_memory_bytes, per device
+    budget = {"llama": 40960, "qwen2": 40960, "qwen3": 81920, "olmo2": 40960}[arch]  # kv_cache_memory_bytes, per device
     assert run["num_blocks"] == budget // per_device_block == 20
     # One K array for both layers: each layer's num_blocks pages, one after the other.
     assert run["pool"]["shape"] == [pool_heads, 2 * run["num_blocks"], 8, head_dim]
     assert run["pool"]["shard_shapes"] == [[1, 2 * run["num_blocks"], 8, head_dim]]
+
+
+def test_olmo2_whole_projection_norms_under_tp(findings):
+    # One KV head repeated 4x: k_proj's columns and k_norm's scale repeat together (4 x 16), the norms
+    # replicated (each device normalizes over the whole projection, XLA summing the squares across devices).
+    weights = findings["olmo2"]["4"]["weights"]
+    assert weights["model.layers.0.self_attn.k_proj.kernel"]["shard_shapes"] == [[64, 16]]
+    assert weights["model.layers.0.self_attn.k_norm.weight"]["shape"] == [64]
+    assert weights["model.layers.0.self_attn.k_norm.weight"]["shard_shapes"] == [[64]]
+    assert weights["model.layers.1.self_attn.q_norm.weight"]["shard_shapes"] == [[64]]
+    assert weights["model.layers.1.post_feedforward_layernorm.weight"]["shard_shapes"] == [[64]]
 
 
 def test_orbax_restores_straight_into_shardings(findings):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float
 
+from cbjax.models.layers.mesh import MODEL_AXIS
 from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
 from kernels_pallas.paged_attention import check_kernel_shapes, paged_decode_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
@@ -39,7 +40,6 @@ from kernels_pallas.reference import (
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("xla", "cpp", "pallas", "pallas_interpret")
-MODEL_AXIS = "model"  # the mesh axis that tensor parallelism splits heads over
 XLA_MIXED_BLOCK_Q = 16  # query tile of the jnp path for mixed (prefill) steps
 
 

@@ -27,7 +27,7 @@ from cbjax.config import EngineConfig
 from cbjax.worker.sample.penalty_state import init_penalty_state
 from cbjax.worker.model_runner import ModelRunner
 from cbjax.worker.distributed.sharding import TensorParallel
-from cbjax.models.llama import LlamaForCausalLM
+from cbjax.models.registry import model_class
 
 
 def _placed(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
@@ -73,8 +73,8 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
     dtype = config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
     activation_dtype = jnp.float32 if on_cpu else None  # as LLMEngine: float32 activations on CPU only
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(model_config, dtype=jnp.dtype(dtype), activation_dtype=activation_dtype, rngs=nnx.Rngs(0),
-                                 fused_projections=tensor_parallel is None)  # as LLMEngine loads it
+        lambda: model_class(model_config)(model_config, dtype=jnp.dtype(dtype), activation_dtype=activation_dtype,
+                                          rngs=nnx.Rngs(0), fused_projections=tensor_parallel is None)  # as LLMEngine loads it
     )
     num_blocks = config.num_kv_blocks or config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
     return AbstractModelRunner(model, model_config, config, num_blocks, "pallas", tensor_parallel)

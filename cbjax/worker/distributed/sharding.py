@@ -1,8 +1,9 @@
 """Tensor parallelism in one process: the mesh, the partition spec of each weight and of the KV pool.
 
-Megatron-style: q/k/v and gate/up are split by output columns (whole heads per device), o and
-down by input rows (XLA adds one all-reduce after each), the embedding and LM head by vocabulary.
-Which sizes split a model is cbjax.models.tensor_parallel's rule (shared with `cbjax plan`).
+Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
+split by output columns (whole heads per device), o and down by input rows (XLA adds one all-reduce
+after each), the embedding and LM head by vocabulary. Which sizes split a model is
+cbjax.models.tensor_parallel's rule (shared with `cbjax plan`).
 The KV pool [kv_heads, blocks, block_size, head_dim] is split over KV heads, and attention runs
 per device under shard_map (cbjax.models.layers.attention). When a model has fewer KV heads than
 devices, each KV head is repeated until there is one per device, as tpu-inference does: a query
@@ -23,13 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cbjax.checkpoint.params import param_name
 from cbjax.models.config import ModelConfig
-from cbjax.models.tensor_parallel import (
-    COLUMN_PARALLEL,
-    ROW_PARALLEL,
-    check_tensor_parallel,
-    valid_tensor_parallel_sizes,
-)
-from cbjax.models.layers.attention import MODEL_AXIS
+from cbjax.models.registry import TensorParallelPlan
+from cbjax.models.tensor_parallel import check_tensor_parallel, tensor_parallel_plan, valid_tensor_parallel_sizes
+from cbjax.models.layers.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +39,7 @@ class TensorParallel:
     size: int
     kv_repeats: int  # how many copies of each KV head the pool holds (1 unless kv_heads < size)
     shard_vocab: bool  # the embedding and LM head split by vocabulary (needs vocab % size == 0)
+    plan: TensorParallelPlan  # which of the family's modules split how
 
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices: list[jax.Device] | None = None) -> TensorParallel:
@@ -68,20 +66,21 @@ class TensorParallel:
                 "on every device", config.vocab_size, size,
             )
         mesh = Mesh(np.asarray(devices[:size]), (MODEL_AXIS,))
-        return cls(mesh=mesh, size=size, kv_repeats=kv_repeats, shard_vocab=shard_vocab)
+        return cls(mesh=mesh, size=size, kv_repeats=kv_repeats, shard_vocab=shard_vocab, plan=tensor_parallel_plan(config))
 
     def serving_config(self, config: ModelConfig) -> ModelConfig:
         """The model as served: KV heads counted after repetition."""
         return dataclasses.replace(config, num_key_value_heads=config.num_key_value_heads * self.kv_repeats)
 
     def repeat_kv_heads(self, params: dict[str, np.ndarray | jax.Array], config: ModelConfig) -> dict[str, np.ndarray | jax.Array]:
-        """k_proj/v_proj kernels and biases with each KV head's columns repeated kv_repeats times, in place.
+        """The plan's kv_head_columns (k_proj/v_proj kernels and biases, and the like) with each KV head's
+        columns repeated kv_repeats times, in place.
 
         Copies of a head sit next to each other, so query head h still meets KV head h // group.
         """
         if self.kv_repeats == 1:
             return params
-        for name in [n for n in params if _is_kv_projection(n)]:
+        for name in [n for n in params if self._is_kv_head_columns(n)]:
             columns = np.asarray(params[name])
             heads = columns.reshape(*columns.shape[:-1], config.num_key_value_heads, config.head_dim)
             params[name] = np.repeat(heads, self.kv_repeats, axis=-2).reshape(*columns.shape[:-1], -1)
@@ -91,11 +90,11 @@ class TensorParallel:
         """The partition spec of the parameter at dotted path `name`, of this shape."""
         parts = name.split(".")
         module, leaf = parts[-2], parts[-1]
-        if module in COLUMN_PARALLEL:
+        if module in self.plan.column_parallel:
             return P(None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
         if module == "lm_head" and self.shard_vocab:
             return P(None, MODEL_AXIS)
-        if module in ROW_PARALLEL and leaf == "kernel":
+        if module in self.plan.row_parallel and leaf == "kernel":
             return P(MODEL_AXIS, None)
         if name == "model.embed_tokens.embedding" and self.shard_vocab:
             return P(MODEL_AXIS, None)
@@ -109,7 +108,7 @@ class TensorParallel:
     def restore_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         """Where the checkpoint restores a tensor: its final sharding, except k/v projections that are
         still to be repeated (replicated: they are small, and repeating regroups their columns)."""
-        if self.kv_repeats > 1 and _is_kv_projection(name):
+        if self.kv_repeats > 1 and self._is_kv_head_columns(name):
             return self.replicated
         return self.weight_sharding(name, shape)
 
@@ -120,6 +119,10 @@ class TensorParallel:
             for path, variable in nnx.to_flat_state(state)
         ])
 
+    def _is_kv_head_columns(self, name: str) -> bool:
+        parts = name.split(".")
+        return len(parts) >= 2 and parts[-2] in self.plan.kv_head_columns
+
     @property
     def pool_sharding(self) -> NamedSharding:
         """One layer's K or V pages [kv_heads, blocks, block_size, head_dim], split over KV heads."""
@@ -129,10 +132,6 @@ class TensorParallel:
     def replicated(self) -> NamedSharding:
         """The packed step inputs and outputs, and the logits the sampler reads: whole on every device."""
         return NamedSharding(self.mesh, P())
-
-
-def _is_kv_projection(name: str) -> bool:
-    return ".k_proj." in name or ".v_proj." in name
 
 
 def step_shardings(tensor_parallel: TensorParallel, weights: list[jax.Array]) -> dict[str, tuple]:

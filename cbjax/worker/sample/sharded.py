@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 from cbjax.worker.sample.logprobs import no_logprobs
 from cbjax.worker.sample.penalty_state import PenaltyState
 from cbjax.worker.sample.sampler import SamplerOutput, SamplingTensors, _has_penalties, _sample_random, sample
-from cbjax.models.layers.attention import MODEL_AXIS
+from cbjax.models.layers.mesh import MODEL_AXIS
 
 SHARD_CANDIDATES = 64  # per device: the largest top_k served without gathering the vocabulary
 
