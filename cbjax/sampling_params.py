@@ -1,12 +1,19 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names and meanings)."""
 
 import enum
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from cbjax.arguments import UNSUPPORTED_SAMPLING_OPTIONS, check_int, check_number, reject_unsupported
 
 MAX_LOGPROBS = 20  # top-N logprobs per token a request may ask for
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
+# Per-request widths of the sampler's fixed-shape columns (worker/sample/): the compiled steps hold this many.
+MAX_LOGIT_BIAS = 16  # logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 32  # allowed_token_ids
+MAX_BAD_WORD_SEQUENCES = 8  # token sequences of bad_words (each word tokenized with and without a leading space)
+MAX_BAD_WORD_TOKENS = 5  # tokens of one such sequence
 
 _check_int = check_int
 
@@ -17,6 +24,17 @@ def _check_range(name: str, value: float, low: float, high: float, *, open_low: 
     if not (inside_low and value <= high):  # `not` also rejects NaN
         bracket = "(" if open_low else "["
         raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}")
+
+
+def _check_token_id(name: str, token_id: object) -> None:
+    _check_int(f"a token id of {name}", token_id)
+    if token_id < 0:
+        raise ValueError(f"token ids of {name} must be >= 0, got {token_id}")
+
+
+def _check_count(what: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise ValueError(f"{count} {what} given; the sampler holds at most {limit} per request; pass fewer")
 
 
 class RequestOutputKind(enum.Enum):
@@ -55,6 +73,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each engine output holds
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (before penalties)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words whose tokens may not be completed (see update_from_tokenizer)
+    # bad_words as token sequences, set by update_from_tokenizer when the engine takes the request.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -63,6 +86,10 @@ class SamplingParams:
             set_field(self, "top_k", 0)
         set_field(self, "stop", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
         set_field(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.allowed_token_ids is not None:
+            set_field(self, "allowed_token_ids", list(dict.fromkeys(self.allowed_token_ids)))
+        if self.bad_words is not None:
+            set_field(self, "bad_words", list(self.bad_words))
         if self.greedy:
             set_field(self, "top_p", 1.0)
             set_field(self, "top_k", 0)
@@ -94,6 +121,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self._validate_stops()
+        self._validate_token_lists()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -111,6 +139,57 @@ class SamplingParams:
         for token_id in self.stop_token_ids or []:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    def _validate_token_lists(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token_id, bias in self.logit_bias.items():
+                _check_token_id("logit_bias", token_id)
+                check_number(f"logit_bias[{token_id}]", bias)
+                if not math.isfinite(bias):
+                    raise ValueError(f"logit_bias[{token_id}] must be finite, got {bias}")
+            _check_count("logit_bias entries", len(self.logit_bias), MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes, dict)) or not hasattr(self.allowed_token_ids, "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+            for token_id in self.allowed_token_ids:
+                _check_token_id("allowed_token_ids", token_id)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty, which would forbid every token; "
+                                 "give at least one token id, or None for no restriction")
+            _check_count("allowed_token_ids", len(set(self.allowed_token_ids)), MAX_ALLOWED_TOKEN_IDS)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
+        """Tokenize bad_words as vLLM does (encode adds no special tokens): each word without leading
+        spaces, and with one leading space where that makes a different sequence of the same length
+        (a word inside the text); the engine calls it once when it takes the request."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        for sequence in sequences:
+            if len(sequence) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad word tokens {sequence} are {len(sequence)} tokens; at most "
+                                 f"{MAX_BAD_WORD_TOKENS} are supported; use a shorter word")
+        _check_count("bad_words token sequences (each word with and without a leading space)",
+                     len(sequences), MAX_BAD_WORD_SEQUENCES)
+        object.__setattr__(self, "bad_words_token_ids", sequences)  # frozen: derived once, like vLLM's
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id of logit_bias, allowed_token_ids or bad_words is outside the
+        model's vocabulary [0, vocab_size) (the engine calls it when it takes the request)."""
+        for name, token_ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                                ("bad_words", [t for s in self.bad_words_token_ids for t in s])):
+            outside = sorted({t for t in token_ids if not 0 <= t < vocab_size})
+            if outside:
+                raise ValueError(f"token id(s) {outside} in {name} are outside the vocabulary [0, {vocab_size}); "
+                                 "use ids from this model's tokenizer")
 
     @property
     def greedy(self) -> bool:

@@ -35,7 +35,9 @@ from cbjax.worker.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
 from cbjax.worker.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.worker.request_slots import RequestSlots
-from cbjax.worker.sample.sampler import SamplerOutput, SamplingTensors, assemble_sampling_tensors, row_constants, sample
+from cbjax.worker.sample import bad_words, min_tokens
+from cbjax.worker.sample.sampler import (SamplerOutput, SamplingRow, SamplingTensors, assemble_sampling_tensors,
+                                        request_columns, sample)
 from cbjax.core.sched.scheduler import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
@@ -50,7 +52,7 @@ from kernels_pallas.reference import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 # Width of the per-row list of tokens forbidden while a request is under min_tokens (eos + stop ids).
-SUPPRESS_LEN = 16
+SUPPRESS_LEN = min_tokens.SUPPRESS_LEN
 
 
 @jax.tree_util.register_dataclass
@@ -192,7 +194,7 @@ class ModelRunner:
         # (persistent_batch.py) instead of being built row by row. Off: every step row by row.
         self._prepared: PreparedStep | None = None
         self.follow_decode_steps = True
-        # Each running request's sampling columns that do not change (sampler.row_constants; its seed
+        # Each running request's sampling columns that do not change (sampler.request_columns; its seed
         # derived once, by request_seed): made when it first gets its slot, dropped with the slot.
         self.sampling_constants: dict[str, tuple] = {}
         self.compiled: dict[Bucket, Any] = {}
@@ -296,10 +298,12 @@ class ModelRunner:
             logits = model.compute_logits(hidden[inputs.logits_indices])
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
+            # each sampling row's last input token is its newest output token, maybe not on the host yet
+            sampling = bad_words.with_newest_output_tokens(inputs.sampling, token_ids[inputs.logits_indices])
             if mesh is None:
-                sampled = sample(logits, inputs.sampling, penalty_state, num_logprobs)
+                sampled = sample(logits, sampling, penalty_state, num_logprobs)
             else:  # logits split by vocabulary: sample from each device's top candidates where that is exact
-                sampled = sample_vocab_sharded(logits, inputs.sampling, penalty_state, num_logprobs, mesh)
+                sampled = sample_vocab_sharded(logits, sampling, penalty_state, num_logprobs, mesh)
             outputs = StepOutputs(
                 sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
@@ -590,7 +594,7 @@ class ModelRunner:
         placeholders, sources = [], []  # token rows taken on the device, and from which sampling row
         row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
         logprob_targets = []
-        sampling_rows, constants, counters, suppressed = [], [], [], {}  # per sampling row
+        sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
@@ -611,19 +615,21 @@ class ModelRunner:
                 # the token at position p scores prompt token p + 1, across chunk boundaries too
                 logprob_targets.append((offset, request.prompt_token_ids[start + 1 : min(start + n, num_prompt - 1) + 1]))
             if row.samples:
-                row_constants_ = self.sampling_constants.get(request_id)
-                if row_constants_ is None:
+                columns = self.sampling_constants.get(request_id)
+                if columns is None:
                     seed = request_seed(self.config.seed, request_id, params.seed)
-                    row_constants_ = self.sampling_constants[request_id] = row_constants(
+                    columns = self.sampling_constants[request_id] = request_columns(
                         params, seed, slot if params.has_penalties else NO_SLOT)
                 # The index of the token sampled now: the scheduler already counts it as a placeholder.
                 output_index = request.num_output_tokens + request.num_output_placeholders - 1
-                if output_index < params.min_tokens:
-                    suppressed[len(constants)] = list(params.stop_token_ids or []) + ([] if params.ignore_eos else request.eos_token_ids)
+                if columns.per_step:  # min_tokens, bad_words: columns that change every step
+                    step_rows[len(constants)] = SamplingRow(
+                        params, 0, output_index, min_tokens.suppressed_ids(params, output_index, request.eos_token_ids),
+                        output_token_ids=request.output_token_ids)
                 sampling_rows.append(request)
-                constants.append(row_constants_)
+                constants.append(columns)
                 counters.append(output_index)
-        inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, suppressed, bucket.num_reqs, SUPPRESS_LEN))
+        inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, step_rows, bucket.num_reqs, SUPPRESS_LEN))
         attn = inputs.attention
         for offset, targets in logprob_targets:
             inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets

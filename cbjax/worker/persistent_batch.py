@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Int
 
 from cbjax.worker.block_table import BlockTable, empty_writes
+from cbjax.worker.sample.sampler import PER_STEP_STAGES
 from cbjax.worker.compilation.buckets import Bucket
 from cbjax.core.request import Request
 from cbjax.core.sched.output import SchedulerOutput
@@ -39,8 +40,9 @@ class PreparedStep:
     sampling_requests: tuple[Request, ...]  # those of its rows that sample, in row order
     starts: Int[np.ndarray, "rows"]  # each row's first computed position
     inputs: Any  # its runner.StepInputs (host numpy arrays, never written after they were packed)
-    # A decode step whose every row sampled, with no token suppressed (min_tokens): the step
-    # after it, over the same rows, differs only by one position.
+    # A decode step whose every row sampled, none using a sampler stage whose columns change per
+    # step (min_tokens holding tokens back, bad_words): the step after it, over the same rows,
+    # differs only by one position.
     followable: bool
     # Whether any row scores prompt tokens (prompt_logprobs), or may want logprobs of its sampled
     # token: where neither, reading the step's result skips looking for them.
@@ -56,7 +58,7 @@ def prepared_step(bucket: Bucket, scheduled: SchedulerOutput, inputs: Any, start
     followable = (
         scheduled.is_decode_only
         and len(sampling_requests) == len(rows)
-        and not (inputs.sampling.suppress_token_ids[: len(rows)] >= 0).any()
+        and not any(stage.in_use(inputs.sampling) for stage in PER_STEP_STAGES)
     )
     requests = tuple(row.request for row in rows)
     wants_logprobs = bool(inputs.sampling.wants_logprobs[: len(sampling_requests)].any())

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_async_scheduling import EOS_TOKEN_IDS, OPTIONS, assert_all_released, requests, serve
+from engine.test_async_scheduling import EOS_TOKEN_IDS, OPTIONS, assert_all_released, requests, serve
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax.worker import model_runner as runner_module

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.worker.sample import sampler
+from cbjax.worker.sample import penalties, top_k_top_p
 from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
-from cbjax.worker.sample.sampler import PADDING_TEMPERATURE, SamplingRow, build_sampling_tensors, sample
+from cbjax.worker.sample.sampler import SamplingRow, build_sampling_tensors, sample
+from cbjax.worker.sample.temperature import PADDING_TEMPERATURE
 from cbjax.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -176,7 +177,7 @@ def test_apply_penalties_matches_vllm_formulas():
     histories = [([0, 1, 2], [2, 2, 5]), ([4], [4, 7, 7, 7]), ([3, 3], [3, 6]), ([1], [1]), ([], [9, 10])]
     rows = [SamplingRow(p, 0, len(out), penalty_slot=i) for i, (p, out) in enumerate(zip(params, histories))]
     tensors = jax.tree.map(jnp.asarray, build_sampling_tensors(rows, 5, SUPPRESS_LEN))
-    got = np.asarray(sampler._apply_penalties(jnp.asarray(logits), tensors, history_state(histories)))
+    got = np.asarray(penalties.apply_penalties(jnp.asarray(logits), tensors, history_state(histories)))
     for i, (p, (prompt, out)) in enumerate(zip(params, histories)):
         np.testing.assert_allclose(got[i], reference_penalised(logits[i], prompt, out, p), rtol=1e-6, atol=1e-6)
 
@@ -305,11 +306,11 @@ def test_top_k_top_p_mask_is_exact_on_both_paths():
     scaled = jnp.asarray(np.stack([c[0] for c in cases]), jnp.float32)
     top_k = jnp.asarray([c[1] for c in cases], jnp.int32)
     top_p = jnp.asarray([c[2] for c in cases], jnp.float32)
-    _, fits = jax.jit(sampler._cutoff_from_candidates)(scaled, top_k, top_p)
+    _, fits = jax.jit(top_k_top_p._cutoff_from_candidates)(scaled, top_k, top_p)
     assert np.asarray(fits).tolist() == [True, True, True, False, False, False]
     for rows in ([0, 1, 2], list(range(6))):  # fast path alone, then the fallback for all
         rows_idx = np.asarray(rows)
-        masked = np.asarray(jax.jit(sampler._top_k_top_p)(scaled[rows_idx], top_k[rows_idx], top_p[rows_idx]))
+        masked = np.asarray(jax.jit(top_k_top_p._top_k_top_p)(scaled[rows_idx], top_k[rows_idx], top_p[rows_idx]))
         for out_row, i in zip(masked, rows):
             expected = reference_keep(np.asarray(scaled[i]), cases[i][1], cases[i][2])
             np.testing.assert_array_equal(np.isfinite(out_row), expected, err_msg=f"case {i}")
@@ -339,7 +340,7 @@ def test_builder_pads_with_neutral_padding_rows():
 @pytest.mark.parametrize("rows, message", [
     ([SamplingRow(SamplingParams(), 0, 0)] * 3, r"3 rows to sample but num_rows_padded is 2"),
     ([SamplingRow(SamplingParams(presence_penalty=1.0), 0, 0)], r"row 0 has penalties but no penalty_slot"),
-    ([SamplingRow(SamplingParams(), 0, 0, [1, 2, 3, 4])], r"suppresses 4 token ids but suppress_len is 3"),
+    ([SamplingRow(SamplingParams(), 0, 0, [1, 2, 3, 4])], r"row 0 has 4 suppress_token_ids but the column holds 3"),
 ])
 def test_builder_errors_name_the_value_and_limit(rows, message):
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,8 @@ holds its share of the global top-k among its own top k). The candidates are put
 order, so the inverse CDF walks the kept tokens in the order `sample` walks the vocabulary.
 
 Rows that need the whole vocabulary row take the gather path (the plain sampler on gathered
-logits): penalties (the penalty table is a whole row per request), min_tokens' suppressed ids,
+logits): any logits stage in use (penalties' table is a whole row per request; min_tokens,
+bad_words, allowed_token_ids and logit_bias move tokens that may not be among the candidates),
 logprobs (the log-softmax normaliser and the true rank span the vocabulary), and random rows
 with top_k = 0 or top_k > k (plain temperature, top-p or min-p alone keep tokens outside any
 top k). One such row sends the whole batch down that path, chosen on the device by lax.cond.
@@ -28,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from cbjax.worker.sample.logprobs import no_logprobs
 from cbjax.worker.sample.penalty_state import PenaltyState
-from cbjax.worker.sample.sampler import SamplerOutput, SamplingTensors, _has_penalties, _sample_random, sample
+from cbjax.worker.sample.sampler import LOGITS_STAGES, SamplerOutput, SamplingTensors, _sample_random, any_in_use, sample
 from cbjax.models.layers.mesh import MODEL_AXIS
 
 SHARD_CANDIDATES = 64  # per device: the largest top_k served without gathering the vocabulary
@@ -37,7 +38,7 @@ SHARD_CANDIDATES = 64  # per device: the largest top_k served without gathering 
 def needs_whole_rows(t: SamplingTensors, num_logprobs: int | None, k: int = SHARD_CANDIDATES) -> Bool[Array, ""]:
     """True when some row needs the whole vocabulary row (see the module docstring)."""
     random_rows_fit = (t.temperature <= 0) | ((t.top_k > 0) & (t.top_k <= k))
-    needs = _has_penalties(t) | jnp.any(t.suppress_token_ids >= 0) | ~jnp.all(random_rows_fit)
+    needs = any_in_use(LOGITS_STAGES, t) | ~jnp.all(random_rows_fit)
     if num_logprobs is not None:
         needs = needs | jnp.any(t.wants_logprobs > 0)
     return needs
