@@ -107,6 +107,7 @@ class LLMEngine:
             block_manager=self.block_manager,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_prefills=config.max_num_prefills,
+            scheduling_policy=config.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.book = RequestBook(self.output_processor)
@@ -143,6 +144,7 @@ class LLMEngine:
         and leaves the engine as it was. `priority` orders it under the priority scheduling policy
         (lower first)."""
         params = sampling_params or SamplingParams()
+        self.scheduler.check_priority(priority)
         self.book.check_free(request_id, params.n)
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self._validate(token_ids, params)

@@ -256,6 +256,20 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(llm, expected, promp
     assert engine.get_stats()["kv_blocks_free"] == engine.get_stats()["kv_blocks_total"]
 
 
+def test_fcfs_refuses_a_priority_and_leaves_the_engine_as_it_was(llm, expected):
+    prompts, want = expected
+    with pytest.raises(ValueError, match=r"prompt 1 of 2: priority=2 is only allowed with scheduling_policy='priority'"):
+        llm.generate(token_prompts(prompts[:2]), GREEDY, use_tqdm=False, priority=[0, 2])
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="start it with scheduling_policy='priority'"):
+        engine.add_request("urgent", {"prompt_token_ids": prompts[1]}, GREEDY, priority=-1)
+    engine.add_request("urgent", {"prompt_token_ids": prompts[1]}, GREEDY)  # its id was not taken
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["urgent"].outputs[0].token_ids == want[1]
+
+
 def test_abort_returns_partial_output_and_frees_blocks(llm, expected):
     prompts, want = expected
     engine = llm.llm_engine

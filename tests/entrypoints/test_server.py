@@ -266,6 +266,10 @@ BAD_REQUESTS = [
      ["top_logprobs", "logprobs"]),
     ("/v1/chat/completions", {"messages": []}, 400, ["messages"]),
     ("/v1/completions", b"{not json", 400, ["JSON"]),
+    # vLLM's extra "priority" field reaches the engine core, whose fcfs policy takes none.
+    ("/v1/completions", {"prompt": "hi", "priority": 3}, 400, ["priority=3", "scheduling_policy='priority'"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -1}, 400,
+     ["priority=-1", "--scheduling-policy priority"]),
 ]
 
 
@@ -406,3 +410,47 @@ def test_binding_beyond_loopback_without_a_key_warns(caplog, monkeypatch):
     with pytest.raises(ValueError):
         args.func(build_parser().parse_args(["serve", "./no/such/model", "--host", "127.0.0.1"]))
     assert "without --api-key" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def priority_server(tiny, jax_cache, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "priority.log"
+    process = ServerProcess(tiny[1], log, *ENGINE_FLAGS, "--compilation-cache-dir", jax_cache,
+                            "--served-model-name", "tiny", "--scheduling-policy", "priority")
+    yield process
+    assert process.stop() == 0
+
+
+def test_priority_policy_serves_an_urgent_request_before_those_queued_earlier(priority_server):
+    # BUSY's 32 prompts (priority 0) hold the 4 seats and keep 28 waiting; then "low" (priority 5)
+    # and "urgent" (priority -1) queue. The urgent one takes the first free seat: at most the 4
+    # prompts running when it came finish before it (under fcfs, all 32 would). "low" goes last.
+    async def run():
+        async with httpx.AsyncClient(base_url=priority_server.url, timeout=120) as http:
+            order = []
+
+            async def short(name: str, priority: int) -> None:
+                body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0.0,
+                        "ignore_eos": True, "priority": priority}
+                answer = await http.post("/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                order.append(name)
+
+            async def busy() -> None:
+                async with http.stream("POST", "/v1/completions", json=BUSY | {"stream": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            order.extend("busy" for choice in json.loads(line[6:])["choices"] if choice["finish_reason"])
+
+            tasks = [asyncio.create_task(busy())]
+            deadline = time.monotonic() + 30
+            while metric(metrics(priority_server), "vllm:num_requests_waiting") < 28:
+                assert time.monotonic() < deadline, "BUSY's prompts never waited"
+                await asyncio.sleep(0.005)
+            tasks += [asyncio.create_task(short("low", 5)), asyncio.create_task(short("urgent", -1))]
+            await asyncio.gather(*tasks)
+            return order
+
+    order = asyncio.run(run())
+    assert order.count("busy") == 32
+    assert order.index("urgent") <= 4 < order.index("low"), order
