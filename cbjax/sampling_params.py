@@ -76,8 +76,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (before penalties)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words whose tokens may not be completed (see update_from_tokenizer)
-    # bad_words as token sequences, set by update_from_tokenizer when the engine takes the request.
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    # bad_words as token sequences, set by update_from_tokenizer when the engine takes the request (an
+    # init field only so that dataclasses.replace, which derives each completion's params, keeps it).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()

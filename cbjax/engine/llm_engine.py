@@ -147,6 +147,7 @@ class LLMEngine:
         self.scheduler.check_priority(priority)
         self.book.check_free(request_id, params.n)
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        params.update_from_tokenizer(self.tokenizer.encode_chat)  # bad_words to token ids, no special tokens
         self._validate(token_ids, params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = self.book.add_new(
@@ -184,6 +185,7 @@ class LLMEngine:
                 f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
                 f"at most {SUPPRESS_LEN} are supported; pass fewer stop_token_ids or min_tokens=0"
             )
+        params.check_token_ids(vocab)  # logit_bias, allowed_token_ids, bad_words
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:

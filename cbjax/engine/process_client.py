@@ -113,6 +113,7 @@ class EngineProcess:
             arrival_time = time.monotonic()
             try:
                 text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+                params.update_from_tokenizer(self.tokenizer.encode_chat)  # bad_words to token ids, no special tokens
                 with self._lock:
                     if self.error is not None:
                         raise self.error
