@@ -120,7 +120,7 @@ class Scheduler:
                 f"request {request.request_id} has {request.num_tokens} tokens; it needs "
                 f"1 to max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
-        self.waiting.check_priority(request.priority)
+        self.check_priority(request.priority)
         params = request.sampling_params
         request.max_num_tokens = self.max_model_len
         if params.max_tokens is not None:
