@@ -97,6 +97,15 @@ def test_greedy_completion_equals_transformers_with_usage(client, tiny, decode):
     assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
 
 
+def test_logit_bias_through_the_openai_client(client, decode):
+    """OpenAI's logit_bias (token ids as strings): +100 on one token makes greedy repeat it; an id
+    outside the vocabulary is a 400 that names it."""
+    response = client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY, logit_bias={"17": 100})
+    assert response.choices[0].text == decode([17] * GREEDY["max_tokens"])
+    with pytest.raises(openai.BadRequestError, match=r"\[4000\] in logit_bias are outside the vocabulary"):
+        client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY, logit_bias={"4000": 1})
+
+
 def test_streamed_completion_joins_to_the_non_streamed_text(client):
     prompts = ["Once upon a time", "The quick brown fox"]
     plain = client.completions.create(model="tiny", prompt=prompts, **GREEDY, extra_body=NO_EOS)

@@ -56,6 +56,9 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0  # vLLM's extra field: lower is served first (needs --scheduling-policy priority)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's extra field
+    bad_words: list[str] | None = None  # vLLM's extra field
 
 
 class CompletionRequest(SamplingFields):

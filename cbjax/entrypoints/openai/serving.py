@@ -93,7 +93,20 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         output_kind=kind,
+        logit_bias=logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids are JSON strings) with each bias clamped to [-100, 100], as vLLM does."""
+    if bias is None:
+        return None
+    keys = [key for key in bias if not key.strip().lstrip("-").isdigit()]
+    if keys:
+        raise ValueError(f"logit_bias keys must be token ids (integers, as strings), got {keys[:3]}")
+    return {int(token_id): min(100.0, max(-100.0, value)) for token_id, value in bias.items()}
 
 
 async def merged_outputs(
