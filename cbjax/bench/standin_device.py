@@ -38,7 +38,7 @@ from jaxtyping import Int
 
 from cbjax.worker.compilation.buckets import Bucket
 from cbjax.worker.packing import PackedLayout
-from cbjax.worker.sample.sampler import PADDING_TEMPERATURE
+from cbjax.worker.sample.temperature import PADDING_TEMPERATURE
 
 # A host waiting for a result sleeps in slices this short: on a loaded machine one long sleep wakes
 # up milliseconds late (measured: median 0.8 ms, p90 4 ms late, against 0.07 ms in 0.2 ms slices).
