@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -42,3 +43,27 @@ def test_backend_ab_runs_each_backend_every_round(tmp_path):
     result = json.loads(out.read_text())
     assert {b: len(v) for b, v in result["output_throughput_rounds"].items()} == {"xla": 2, native: 2}
     assert set(result["median_output_throughput"]) == {"xla", native}
+
+
+def test_ab_reports_each_setting_as_the_medians_of_its_sides_runs(tmp_path):
+    _, model_dir = make_tiny_checkpoint(tmp_path, "llama")
+    out = tmp_path / "ab.json"
+    # Both sides are this tree (folders are used as they are): the harness's bookkeeping, not a speed-up.
+    done = run_benchmark(
+        "ab", "--old", ".", "--new", ".", "--benchmark", "host", "--rounds", "2", "--model", str(model_dir),
+        "--result-json", str(out), "--", "--num-running", "2", "4", "--max-model-lens", "64", "--delays-ms", "0",
+        "--variants", "greedy", "--output-kinds", "final_only", "--prompt-len", "4", "--output-len", "6",
+        "--max-num-seqs", "4", "--block-size", "8", "--num-kv-blocks", "16",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [(run["round"], run["side"]) for run in runs] == [(0, "old"), (0, "new"), (1, "new"), (1, "old")]
+    rows = {(row["setting"].split(" running")[0], row["metric"]): row for row in result["rows"]}
+    assert set(rows) == {(n, m) for n in ("2", "4") for m in ("host_cpu_ms_per_step", "wall_ms_per_step")}
+    for (num_running, metric), row in rows.items():
+        key = f"{row['setting']} | {metric}"
+        for side in ("old", "new"):
+            values = [run["metrics"][key] for run in runs if run["side"] == side]
+            assert row[side] == pytest.approx(sum(values) / 2)  # the median of two runs
+        assert row["new/old"] == pytest.approx(row["new"] / row["old"])
