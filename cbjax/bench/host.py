@@ -98,7 +98,7 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
 def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len: int, variant: str, delay_s: float,
                         async_scheduling: str = "on", output_kind: str = "final_only",
                         finish: str = "together") -> dict[str, Any]:
-    """run_host with the engine core in its own process (`core`, an EngineProcess whose engine has
+    """run_host with the engine core in its own process (`core`, a ProcessCoreClient whose engine has
     a stand-in device): the steps are the core's, the outputs made in this process."""
     passage = core.tokenizer.encode(PASSAGE)
     core.call(_start_run, delay_s, async_scheduling)
@@ -194,14 +194,14 @@ def build_standin_engine(args: argparse.Namespace, max_model_len: int):
 
 
 def build_standin_core(args: argparse.Namespace, max_model_len: int) -> Any:
-    """An engine core process's engine (engine_process.run_engine_core calls it): the stand-in's."""
+    """An engine core process's EngineCore (core/engine_core_proc.run_engine_core calls it): the stand-in's."""
     engine, timeline = build_standin_engine(args, max_model_len)
-    engine.standin_timeline = timeline
-    return engine
+    engine.core.standin_timeline = timeline
+    return engine.core
 
 
 def cmd_host(args: argparse.Namespace) -> None:
-    from cbjax.engine.process_client import EngineProcess
+    from cbjax.engine.process_client import ProcessCoreClient
 
     runs = []
     for max_model_len in args.max_model_lens:
@@ -210,7 +210,7 @@ def cmd_host(args: argparse.Namespace) -> None:
             engine, timeline = build_standin_engine(args, max_model_len)
             runners["off"] = functools.partial(run_host, engine, timeline)
         if "on" in args.engine_process:
-            core = EngineProcess(build_standin_core, (args, max_model_len))
+            core = ProcessCoreClient(build_standin_core, (args, max_model_len))
             core.start()
             runners["on"] = functools.partial(run_host_in_process, core)
         for run in runners.values():  # warm-up

@@ -1,7 +1,7 @@
 """AsyncLLM (vLLM's name): the engine for asyncio callers, e.g. the OpenAI server.
 
-The engine core steps the engine in its own thread (core.py), or with engine_process=True in its
-own process, this one making the text and outputs (engine_process.py, vLLM V1's split); AsyncLLM
+A core client steps the engine: in its own thread (core_client.py), or with engine_process=True
+in its own process, this one making the text and outputs (process_client.py, vLLM V1's split); AsyncLLM
 gives each request an asyncio queue that the core fills, and an async iterator over it. Leaving
 the iterator early (a client that disconnects, a cancelled task) aborts the request.
 """
@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cbjax.config import EngineConfig
-from cbjax.engine.core_client import EngineCore, EngineDeadError, LoopQueueSink, StatLogger
+from cbjax.core.engine_core_proc import build_engine_core
+from cbjax.engine.core_client import LoopQueueSink, StatLogger, ThreadCoreClient
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine, Prompt
-from cbjax.engine.process_client import EngineProcess, build_engine
+from cbjax.engine.process_client import ProcessCoreClient
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -30,7 +32,7 @@ class AsyncLLM:
     stat_loggers: factories (vLLM's StatLoggerFactory) called with the resolved EngineConfig; the
     loggers they make see every step's outputs, in the engine-core thread (with engine_process:
     in the thread that reads the core's steps).
-    engine_process: run the engine core in a child process (see engine_process.py); the model is
+    engine_process: run the engine core in a child process (see process_client.py); the model is
     loaded and compiled there, and this process only tokenizes, detokenizes and makes outputs.
     """
 
@@ -41,7 +43,7 @@ class AsyncLLM:
         if not engine_process:
             self._attach(LLMEngine(EngineConfig(model=model, **options), progress=progress), stat_loggers)
             return
-        core = EngineProcess(build_engine, ({"model": model, **options}, progress), stat_loggers)
+        core = ProcessCoreClient(build_engine_core, ({"model": model, **options}, progress), stat_loggers)
         self.engine_config, self.tokenizer, self.model_config = core.engine_config, core.tokenizer, core.model_config
         self.core = core
         core.start()
@@ -57,7 +59,7 @@ class AsyncLLM:
         self.engine_config = engine.config
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_config = engine.model_config
-        self.core = EngineCore(engine, [make(self.engine_config) for make in stat_loggers])
+        self.core = ThreadCoreClient(engine, [make(self.engine_config) for make in stat_loggers])
         self.core.start()
 
     def get_tokenizer(self) -> Tokenizer:

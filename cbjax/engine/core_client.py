@@ -1,4 +1,5 @@
-"""The engine core: one thread that owns an LLMEngine and steps it while there is work.
+"""The thread core client: one thread that owns an LLMEngine (and so its EngineCore) and steps it
+while there is work; process_client.py is the same interface with the core in another process.
 
 Callers never touch the engine. They put commands (add, abort, shutdown) on a thread-safe
 queue; the core applies them between steps and hands every request's outputs to that request's
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine, Prompt
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
@@ -64,10 +66,6 @@ def deliver(sink: Callable[[Any], None], item: Any) -> None:
         logger.debug("dropped an output: its receiver is gone", exc_info=True)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine-core loop has stopped (crashed or shut down); no request can be served."""
-
-
 class StatLogger(Protocol):
     def record_step(
         self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
@@ -75,7 +73,7 @@ class StatLogger(Protocol):
         """Called in the core thread after every loop iteration with what that iteration produced."""
 
 
-class EngineCore:
+class ThreadCoreClient:
     def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = ()):
         self.engine = engine
         self.stat_loggers = list(stat_loggers)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from cbjax.core.outputs import SampledTokens
+from cbjax.core.protocol import ChildState, StepProgress
+from cbjax.core.request import Request, RequestStatus
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest
-from cbjax.engine.protocol import ChildState, StepProgress
-from cbjax.core.request import Request, RequestStatus
 from cbjax.engine.request_book import Progressed, RequestBook
-from cbjax.worker.model_runner import SampledTokens
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -39,10 +39,10 @@ class Frontend:
     def add_request(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float, prompt: str | None,
         priority: int = 0,
-    ) -> None:
+    ) -> ParentRequest:
         """Mirror a request the core is being sent (ValueError if its id is in use here)."""
         self.book.check_free(request_id, params.n)
-        self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority)
+        return self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority)
 
     def reject(self, request_id: str) -> None:
         """Forget a request the core refused."""
@@ -103,7 +103,7 @@ class Frontend:
                 _set_state(child, state)
                 finished_now.append(child)
         sampled = SampledTokens(rows, progress.token_ids, progress.logprobs, progress.ranks, progress.top)
-        return progressed + self.book.progressed(sampled, finished_now, self._stop, _keep)
+        return progressed + self.book.progressed(sampled, finished_now, self._stop)
 
     def outputs(self, progressed: Iterable[tuple[ParentRequest, bool]]) -> list[RequestOutput]:
         return self.book.outputs(progressed)
@@ -119,7 +119,3 @@ def _set_state(request: Request, state: ChildState) -> None:
     request.first_scheduled_time, request.first_token_time = state.first_scheduled_time, state.first_token_time
     request.finished_time, request.num_cached_tokens = state.finished_time, state.num_cached_tokens
     request.num_preemptions = state.num_preemptions
-
-
-def _keep(request: Request) -> None:
-    """A finished mirror holds nothing to free (the core frees its blocks and slot)."""

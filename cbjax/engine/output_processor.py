@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cbjax.engine.parallel_sampling import ParentRequest
+from cbjax.core.outputs import PromptLogprobsChunk, SampledTokens
 from cbjax.core.request import Request, RequestStatus
-from cbjax.worker.model_runner import PromptLogprobsChunk, SampledTokens
+from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cbjax.sampling_params import RequestOutputKind
 from cbjax.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -1,16 +1,16 @@
 """Parallel sampling (SamplingParams.n): one prompt, N completions, each a child request.
 
-Child 0 computes the prompt; with prefix caching the other children wait until it has, then
-find the prompt's full blocks in the cache and share them (reference counts), computing only
-the partial last block, which each owns. A request that must compute its whole prompt itself
-(computes_whole_prompt) is not held back: each child computes its prompt.
+Child 0 computes the prompt; with prefix caching the other children wait until it has (the
+engine core holds them: EngineCore.add_requests), then find the prompt's full blocks in the cache
+and share them (reference counts), computing only the partial last block, which each owns. A
+request that must compute its whole prompt itself (computes_whole_prompt) is not held back: each
+child computes its prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from cbjax.core.kv.prefix_cache import computes_whole_prompt
 from cbjax.core.request import Request
 from cbjax.sampling_params import SamplingParams
 
@@ -39,8 +39,3 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion `index` samples alone; a seeded one from seed + index (vLLM's rule), its own stream."""
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def shares_prompt(params: SamplingParams, enable_prefix_caching: bool) -> bool:
-    """True when children 1..n-1 wait for child 0's prompt blocks instead of computing their own."""
-    return params.n > 1 and enable_prefix_caching and not computes_whole_prompt(params)

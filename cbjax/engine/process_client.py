@@ -1,17 +1,18 @@
-"""The engine core in its own process (vLLM V1's EngineCoreProc), and this process's end of it.
+"""The process core client: this process's end of an engine core in its own process.
 
 Why: on an accelerator a decode step takes a few milliseconds, and a stream's text and output
 cost microseconds per request per step. In one process those run on the same interpreter (and
-GIL) as the scheduler, between device steps; here the core process only schedules, launches and
-reads tokens back, and sends each step's progress (progress.py) down a pipe, while this process
-makes text and outputs (frontend.py) and the server's own work runs beside it.
+GIL) as the scheduler, between device steps; here the core process (core/engine_core_proc.py)
+only schedules, launches and reads tokens back, and sends each step's progress
+(core/protocol.py) down a pipe, while this process makes text and outputs (frontend.py) and the
+server's own work runs beside it.
 
-    core = EngineProcess(build_engine, (options,))   # starts the child, waits until it is ready
+    core = ProcessCoreClient(build_engine_core, (options,))   # starts the child, waits until it is ready
     core.add_request(request_id, prompt, params, sink)   # sink(output | error), from any thread
     core.abort_request(request_id); core.shutdown()
 
-The same interface as EngineCore (core.py), which steps the engine in a thread of this process.
-The child is spawned (JAX is not fork-safe) and is a daemon: it dies with this process. When the
+The same interface as ThreadCoreClient (core_client.py), which steps the engine in a thread of
+this process. The child is spawned (JAX is not fork-safe) and is a daemon: it dies with this process. When the
 front end falls behind (a stream's consumer is slow, or the device is faster than the front
 end), it reads every step waiting in the pipe and gives each request one output for all of
 them (a DELTA output holds what is new since its previous one), as vLLM's output collector does.
@@ -22,17 +23,17 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
-from cbjax.engine.core_client import EngineDeadError, OutputSink, StatLogger, deliver, deliver_all
+from cbjax.core.engine_core_proc import run_engine_core
+from cbjax.core.protocol import StepProgress
+from cbjax.engine.core_client import OutputSink, StatLogger, deliver, deliver_all
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.frontend import Frontend
-from cbjax.engine.protocol import StepProgress, empty_progress
-from cbjax.engine.request_book import Prompt, tokenize_prompt
+from cbjax.engine.request_book import Prompt, eos_token_ids, tokenize_prompt
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -40,21 +41,13 @@ from cbjax.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_engine(options: dict[str, Any], progress: bool = True) -> Any:
-    """The child's engine: `LLM(model, **options)`'s (options holds `model`)."""
-    from cbjax.config import EngineConfig
-    from cbjax.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(**options), progress=progress)
-
-
-class EngineProcess:
+class ProcessCoreClient:
     def __init__(
         self, build: Callable[..., Any], build_args: tuple = (),
         stat_loggers: Sequence[Callable[[Any], StatLogger]] = (), start_timeout: float | None = None,
     ):
-        """Start the core: `build(*build_args)` in the child makes its LLMEngine (both picklable,
-        e.g. module-level functions). Raises EngineDeadError if it fails to start."""
+        """Start the core: `build(*build_args)` in the child makes its EngineCore (both picklable,
+        e.g. module-level functions: core/engine_core_proc.py's build_engine_core). Raises EngineDeadError if it fails to start."""
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=run_engine_core, args=(child_conn, build, build_args),
@@ -74,9 +67,9 @@ class EngineProcess:
         if ready[0] != "ready":
             self.process.join(10)
             raise EngineDeadError(ready[1])
-        _, self.engine_config, self.model_config, eos_token_ids, self.stats = ready
+        _, self.engine_config, self.model_config, self.stats = ready
         self.tokenizer = Tokenizer.from_dir(self.engine_config.tokenizer or self.engine_config.model)
-        self.frontend = Frontend(self.tokenizer, eos_token_ids, self._send_stop)
+        self.frontend = Frontend(self.tokenizer, eos_token_ids(self.tokenizer, self.model_config), self._send_stop)
         self.stat_loggers = [make(self.engine_config) for make in stat_loggers]
         self.frontend.output_processor.report_every_step = bool(self.stat_loggers)
         self.sinks: dict[str, OutputSink] = {}
@@ -117,20 +110,24 @@ class EngineProcess:
                 with self._lock:
                     if self.error is not None:
                         raise self.error
-                    self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
+                    parent = self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
                     self.sinks[request_id] = sink
             except (ValueError, TypeError, EngineDeadError) as error:
                 deliver(sink, error)
                 continue
-            adds.append((request_id, token_ids, params, arrival_time, priority))
+            adds.append((request_id, parent.children))  # the mirrors, pickled as they are: nothing sampled yet
         if adds:
             self._send(("add", adds))
 
     def abort_request(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        with self._lock:  # the core knows the children (a request unknown here is finished, or stopping)
+            parent = self.frontend.book.requests.get(request_id)
+            child_ids = [] if parent is None else [child.request_id for child in parent.children]
+        if child_ids:
+            self._send(("abort", child_ids))
 
     def call(self, function: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """`function(engine, *args)` in the core, between two steps (a benchmark's or a test's probe)."""
+        """`function(engine_core, *args)` in the core, between two steps (a benchmark's or a test's probe)."""
         self._send(("call", function, args))
         result = self._results.get(timeout=timeout)
         if isinstance(result, BaseException):
@@ -221,84 +218,3 @@ class EngineProcess:
 def _is_dead(message: Any) -> bool:
     """The child's last word (a closed pipe reads as this too, again and again)."""
     return isinstance(message, tuple) and message[0] == "dead"
-
-
-# ---- the child --------------------------------------------------------------------
-
-
-def run_engine_core(conn: Connection, build: Callable[..., Any], build_args: tuple) -> None:
-    """The child's main: build the engine, then apply commands and step while there is work,
-    sending every step's progress."""
-    from cbjax.heap import freeze_gc_heap
-
-    # A terminal's Ctrl-C reaches the whole process group: the parent decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        engine = build(*build_args)
-        engine.send_progress()
-    except BaseException as error:  # noqa: BLE001 (whatever stops the start is the parent's to report)
-        # Bad options say what to change; anything else leaves its traceback here too.
-        (logger.debug if isinstance(error, (ValueError, TypeError)) else logger.exception)(
-            "the engine core failed to start", exc_info=True)
-        try:
-            conn.send(("failed", error))  # raised again in the parent, as LLMEngine would raise it there
-        except Exception:  # noqa: BLE001 (an exception that cannot be pickled)
-            conn.send(("dead", f"the engine core failed to start: {error!r}"))
-        return
-    conn.send(("ready", engine.config, engine.model_config, engine.eos_token_ids, engine.get_stats()))
-    freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
-    try:
-        _serve(conn, engine)
-    except (EOFError, BrokenPipeError):  # the front end's process is gone: nobody to serve
-        return
-    except BaseException as error:  # noqa: BLE001
-        logger.exception("the engine-core loop died")
-        conn.send(("dead", f"the engine-core loop died: {error!r}"))
-
-
-def _serve(conn: Connection, engine: Any) -> None:
-    serving = True
-    while serving:
-        rejected: list[tuple[str, str]] = []
-        applied = not engine.has_unfinished_requests()
-        if applied:
-            serving = _apply(conn.recv(), conn, engine, rejected)  # idle: wait for a command
-        while serving and conn.poll():
-            serving = _apply(conn.recv(), conn, engine, rejected)
-            applied = True
-        if engine.has_unfinished_requests():
-            progress = engine.step()
-            progress.rejected = rejected
-            conn.send(progress)
-        elif applied:  # no step to carry them: the rejections, and the stats after a stop freed blocks
-            conn.send(empty_progress(engine.get_stats(), rejected))
-    while engine.has_unfinished_requests():  # shutting down: the aborts' outputs
-        conn.send(engine.step())
-    conn.send(("closed",))
-
-
-def _apply(command: tuple, conn: Connection, engine: Any, rejected: list[tuple[str, str]]) -> bool:
-    """Apply one command; False once shutdown was asked (every request left is aborted)."""
-    kind = command[0]
-    if kind == "add":
-        for request_id, token_ids, params, arrival_time, priority in command[1]:
-            try:
-                engine.add_request(request_id, {"prompt_token_ids": token_ids}, params, arrival_time, priority)
-            except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
-                rejected.append((request_id, str(error)))
-    elif kind == "abort":
-        engine.abort_request(command[1])
-    elif kind == "stop":
-        engine.stop_request(command[1])
-    elif kind == "call":
-        _, function, args = command
-        try:
-            result = function(engine, *args)
-        except Exception as error:  # the caller's probe failed, not the engine
-            result = error
-        conn.send(("result", result))
-    else:  # "shutdown"
-        for request_id in list(engine.book.requests):
-            engine.abort_request(request_id)
-        return False
-    return True

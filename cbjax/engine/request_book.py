@@ -1,9 +1,9 @@
-"""The requests an engine serves, and how a step's sampled tokens become their outputs.
+"""The requests a front end serves, and how a step's sampled tokens become their outputs.
 
-LLMEngine keeps one book for the requests it schedules. When the engine core runs in its own
-process (`engine_process.py`), the core's book only finds a request by id, and the front end keeps
-a second book of mirrors of the core's requests (`frontend.py`): the rules below run there on the
-tokens the core sends, so a stream's text, stop strings and outputs come out the same either way.
+LLMEngine keeps one book for the requests its EngineCore schedules (the same Request objects).
+When the engine core runs in its own process (`process_client.py`), the front end keeps a book of
+mirrors of the core's requests (`frontend.py`): the rules below run there on the tokens the core
+sends, so a stream's text, stop strings and outputs come out the same either way.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cbjax.core.outputs import SampledTokens
+from cbjax.core.request import Request, RequestStatus
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
-from cbjax.core.request import Request, RequestStatus
-from cbjax.worker.model_runner import SampledTokens
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -25,8 +25,8 @@ Progressed = list[tuple[ParentRequest, bool]]  # parents with news this step, an
 
 
 class RequestBook:
-    def __init__(self, output_processor: OutputProcessor | None):
-        self.output_processor = output_processor  # None: nothing here makes text or outputs (an engine core's)
+    def __init__(self, output_processor: OutputProcessor):
+        self.output_processor = output_processor
         self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
         self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
 
@@ -49,8 +49,7 @@ class RequestBook:
         self.requests[request_id] = parent
         for child in children:
             self.parents[child.request_id] = parent
-            if self.output_processor is not None:
-                self.output_processor.add_request(child, prompt)
+            self.output_processor.add_request(child, prompt)
         return parent
 
     def forget(self, parent: ParentRequest) -> None:
@@ -59,16 +58,15 @@ class RequestBook:
             del self.parents[child.request_id]
 
     def progressed(
-        self, sampled: SampledTokens, finished_now: list[Request],
-        stop: Callable[[Request], None], release: Callable[[Request], None],
+        self, sampled: SampledTokens, finished_now: list[Request], stop: Callable[[Request], None],
     ) -> Progressed:
         """Read a step's tokens (already in its requests) into text and stop strings: the parents
         that have an output to give, in row order (those with several children after the others).
 
         A request finished since the step was launched (aborted, or stopped by the step before) is
         skipped: its speculative token is never shown or counted. `stop(request)` ends a request a
-        stop string ended (its status and stop_reason are set after); `release(request)` frees what
-        a finished one held.
+        stop string ended (its status and stop_reason are set after); the core frees what a
+        finished one held.
         """
         output_processor, parents = self.output_processor, self.parents
         finished_by_update = set(finished_now)
@@ -91,9 +89,7 @@ class RequestBook:
                         finished = True
                     request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks "length", as in vLLM
                     request.stop_reason = stop_string
-            if finished:  # now, not with its last sibling: its penalty slot serves others
-                release(request)
-            elif not wants_output(request):
+            if not finished and not wants_output(request):
                 continue  # nothing to report (its siblings, if any, share its output kind)
             parent = parents[request.request_id]
             if len(parent.children) > 1:
@@ -119,6 +115,11 @@ class RequestBook:
         """A finished request's last output; the book forgets it."""
         self.forget(parent)
         return self.output_processor.make_output(parent)
+
+
+def eos_token_ids(tokenizer: Tokenizer, model_config: Any) -> list[int]:
+    """The ids that end a request unless ignore_eos: the tokenizer's, else the model config's."""
+    return list(tokenizer.eos_token_ids or model_config.eos_token_id)
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:

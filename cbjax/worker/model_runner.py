@@ -38,7 +38,8 @@ from cbjax.worker.request_slots import RequestSlots
 from cbjax.worker.sample import bad_words, min_tokens
 from cbjax.worker.sample.sampler import (SamplerOutput, SamplingRow, SamplingTensors, assemble_sampling_tensors,
                                         request_columns, sample)
-from cbjax.core.sched.scheduler import SchedulerOutput
+from cbjax.core.outputs import PromptLogprobsChunk, SampledTokens
+from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
@@ -107,33 +108,6 @@ class LaunchedStep:
     wants_logprobs: bool = True  # False: no row asked for its sampled token's logprobs
 
 
-@dataclasses.dataclass(frozen=True)
-class SampledTokens:
-    """A step's sampled tokens on the host, as columns: row i is the step's i-th request that
-    samples (`sampling_requests`). Columns, not an object per row: they are read every step."""
-
-    sampling_requests: tuple[Any, ...]  # engine.request.Request
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
-    top: dict[int, tuple[list[int], list[float]]]  # by row, for the rows that asked for logprobs: ids and logprobs
-
-    def top_of(self, row: int) -> tuple[list[int], list[float]]:
-        return self.top.get(row, ([], []))
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptLogprobsChunk:
-    """Logprobs of prompt tokens start, start + 1, ... of one request, scored in one step."""
-
-    start: int  # index in the prompt of the first token scored (>= 1: the first has no logprob)
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-    top_token_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
 def kv_cache_dtype(requested: str, model: nnx.Module) -> jnp.dtype:
     """The pool's dtype: the model's activation dtype, unless the user asked for another."""
     return model.activation_dtype if requested == "auto" else jnp.dtype(requested)
@@ -159,6 +133,9 @@ def request_seed(engine_seed: int, request_id: str, seed: int | None) -> int:
 
 class ModelRunner:
     """Owns the weights, the KV pool and the compiled steps."""
+
+    # The most eos and stop token ids a row holds back under min_tokens (EngineCore checks each request against it).
+    max_suppressed_ids = SUPPRESS_LEN
 
     def __init__(
         self, model: nnx.Module, model_config: Any, config: Any, num_blocks: int, backend: str,

@@ -15,7 +15,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import AsyncLLM, RequestOutputKind, SamplingParams
 from cbjax.config import EngineConfig
-from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.serving import ServerState

@@ -19,10 +19,10 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import AsyncLLM, RequestOutputKind, SamplingParams
 from cbjax.config import EngineConfig
-from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.frontend import Frontend
-from cbjax.engine.protocol import ChildState, empty_progress
+from cbjax.core.protocol import ChildState, empty_progress
 from cbjax.core.request import RequestStatus
 from cbjax.tokenizer.tokenizer import Tokenizer
 
@@ -231,6 +231,37 @@ def test_leaving_the_stream_early_aborts_the_request_and_frees_its_blocks(in_pro
     assert stats["num_running"] == 0
 
 
+def test_priority_reaches_every_child_request(tiny):
+    engine = LLMEngine(EngineConfig(model=str(tiny[1]), scheduling_policy="priority", **OPTIONS),
+                       precompile=False, progress=False)
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=2, n=2)
+    engine.add_request("urgent", {"prompt_token_ids": PROMPT}, params, priority=-3)
+    engine.add_request("plain", {"prompt_token_ids": PROMPT}, params)
+    assert [(request.request_id, request.priority) for request in engine.scheduler.requests.values()] == [
+        ("0_urgent", -3), ("1_urgent", -3), ("0_plain", 0), ("1_plain", 0)]
+
+
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_a_priority_reaches_the_core_through_either_client(client, request):
+    """The fcfs policy refuses a priority (vLLM's rule): that refusal comes back from the core, and a
+    request beside it is served."""
+    llm = request.getfixturevalue(client)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        with pytest.raises(ValueError, match="priority=-3 is only allowed with scheduling_policy='priority'"):
+            await collect_with_priority(llm, params, "urgent", -3)
+        return await collect_with_priority(llm, params, "plain", 0)
+
+    (output,) = asyncio.run(run())
+    assert output.finished and len(output.outputs[0].token_ids) == 2
+    wait_idle(llm)
+
+
+async def collect_with_priority(llm, params, request_id, priority):
+    return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
+
+
 def _exit_now(engine):
     os._exit(3)
 
@@ -253,41 +284,3 @@ def test_a_core_that_dies_fails_every_caller(in_process):
         in_process.check_health()
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(in_process, {"prompt_token_ids": PROMPT}, params, "after"))
-
-
-def _record_priorities(engine):
-    """From now on the engine's scheduler notes (child id, priority) of every request it is given."""
-    recorded = engine.recorded_priorities = []
-    add = engine.scheduler.add_request
-
-    def recording_add(request, *rest):
-        recorded.append((request.request_id, request.priority))
-        return add(request, *rest)
-
-    engine.scheduler.add_request = recording_add
-
-
-def _stop_recording_priorities(engine):
-    del engine.scheduler.add_request  # the class's method again
-    return engine.recorded_priorities
-
-
-@pytest.mark.parametrize("client", ["in_thread", "in_process"])
-def test_priority_reaches_every_child_request_the_scheduler_gets(client, request):
-    llm = request.getfixturevalue(client)
-    if client == "in_process":
-        record, stop = lambda: llm.core.call(_record_priorities), lambda: llm.core.call(_stop_recording_priorities)
-    else:  # the thread's engine, touched while the core is idle
-        record = lambda: _record_priorities(llm.core.engine)  # noqa: E731
-        stop = lambda: _stop_recording_priorities(llm.core.engine)  # noqa: E731
-    params = SamplingParams(temperature=0.9, seed=1, max_tokens=2, n=2, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def run():
-        high = [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, "urgent", priority=-3)]
-        plain = [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, "plain")]
-        return high + plain
-
-    record()
-    outputs = asyncio.run(run())
-    assert [o.request_id for o in outputs] == ["urgent", "plain"] and all(o.finished for o in outputs)
-    assert stop() == [("0_urgent", -3), ("1_urgent", -3), ("0_plain", 0), ("1_plain", 0)]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
-import jax
+if TYPE_CHECKING:  # core/ imports no JAX: the device is the caller's (worker/build.py)
+    import jax
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.chat import conversation, create_chat_completion
 from cbjax.entrypoints.openai.completions import create_completion
 from cbjax.entrypoints.openai.errors import add_error_handlers, error_response

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)

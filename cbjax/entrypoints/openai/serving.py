@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from cbjax.engine.async_llm import AsyncLLM
-from cbjax.engine.core_client import EngineDeadError
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.errors import APIError, error_json
 from cbjax.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from cbjax.outputs import RequestOutput

@@ -190,8 +190,8 @@ def serve_steps(runner: ModelRunner, broadcast: StepBroadcast) -> int:
 def run_worker(model: str, options: dict) -> None:
     """`cbjax worker`: build the same engine as process 0 (its own shards), then run its steps."""
     from cbjax.config import EngineConfig
-    from cbjax.engine.llm_engine import LLMEngine
     from cbjax.heap import freeze_gc_heap
+    from cbjax.worker.build import build_worker
 
     config = EngineConfig(model=model, **options)
     if config.num_processes < 2 or config.process_id == 0:
@@ -199,9 +199,9 @@ def run_worker(model: str, options: dict) -> None:
             f"cbjax worker needs --num-processes >= 2 and --process-id >= 1, got {config.num_processes} and "
             f"{config.process_id}; process 0 serves (cbjax serve / generate, or LLM(...) with the same options)"
         )
-    engine = LLMEngine(config, progress=False)
+    worker = build_worker(config, progress=False)
     freeze_gc_heap()  # a GC pause here would stall every process's collectives
     try:
-        serve_steps(engine.runner, engine.step_broadcast)
+        serve_steps(worker.runner, worker.step_broadcast)
     except PeerLostError as error:
         sys.exit(f"cbjax worker: {error}")  # the exit status is PEER_LOST_EXIT_STATUS (peer_failures)

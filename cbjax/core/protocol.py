@@ -1,8 +1,8 @@
 """What an engine core in its own process sends its front end after every step (vLLM's EngineCoreOutputs).
 
 Columns and tuples, not an object per request: a step of 256 streams is pickled, sent and read in
-well under a tenth of a millisecond. The front end (frontend.py) applies them, in field order, to
-its mirrors of the core's requests.
+well under a tenth of a millisecond. The core's side (engine_core_proc.py) makes them; the front
+end (engine/frontend.py) applies them, in field order, to its mirrors of the core's requests.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from cbjax.core.request import Request
-from cbjax.worker.model_runner import PromptLogprobsChunk
+from cbjax.core.outputs import PromptLogprobsChunk
 
 
 class ChildState(NamedTuple):
@@ -48,7 +48,7 @@ class StepProgress:
     started: list[ChildState]  # requests whose first output token this is (their times, cached tokens)
     finished: list[ChildState]  # rows the step finished (eos, stop token ids, length)
     preempted: list[str]  # requests the step's schedule preempted
-    stats: dict[str, Any]  # LLMEngine.get_stats() after the step
+    stats: dict[str, Any]  # EngineCore.get_stats() after the step
     num_step_tokens: int  # tokens the latest step computed
 
 

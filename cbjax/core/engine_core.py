@@ -1,0 +1,206 @@
+"""EngineCore (vLLM V1's name): schedule -> execute -> update, over a model runner built outside.
+
+It owns the scheduler, the block manager and the runner, and knows requests only as the
+scheduler does (child requests, by their own ids). Its front ends make text and outputs:
+LLMEngine in this process reads each step's EngineCoreStep through its request book; the
+engine-core process (engine_core_proc.py) sends it to its front end as StepProgress. It is not
+thread-safe: its front end calls it from one thread, and lands aborts between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from cbjax.config import EngineConfig
+from cbjax.core.kv.block_manager import BlockManager
+from cbjax.core.kv.prefix_cache import computes_whole_prompt
+from cbjax.core.outputs import NOTHING_READ, EngineCoreStep, PromptLogprobsChunk, SampledTokens
+from cbjax.core.request import Request, RequestStatus
+from cbjax.core.sched.output import SchedulerOutput
+from cbjax.core.sched.scheduler import Scheduler
+
+
+class StepRunner(Protocol):
+    """What the core asks of the device side (worker/model_runner.py's ModelRunner)."""
+
+    num_blocks: int
+    backend: str
+    buckets: list[Any]
+    max_suppressed_ids: int
+
+    def dispatch(self, scheduled: SchedulerOutput) -> Any:
+        """Launch a step without waiting for it: a handle for `collect`."""
+
+    def collect(self, launched: Any) -> tuple[SampledTokens, dict[str, PromptLogprobsChunk]]:
+        """Wait for a launched step: its sampled tokens and the prompt logprobs it scored."""
+
+    def release_request(self, request_id: str) -> None:
+        """Free what the runner holds for a finished or aborted request."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: StepRunner, model_config: Any, platform: str):
+        self.config = config
+        self.runner = runner
+        self.model_config = model_config
+        self.platform = platform
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            block_manager=self.block_manager,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_prefills=config.max_num_prefills,
+            scheduling_policy=config.scheduling_policy,
+        )
+        self.num_steps = 0
+        self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet
+        self.last_step_num_tokens = 0  # tokens the latest step computed (prompt chunks + decodes)
+
+    # ---- requests -------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int) -> None:
+        """Raise ValueError, saying what to change, for a request this engine cannot serve."""
+        self.scheduler.check_priority(priority)
+        max_model_len, vocab = self.config.max_model_len, self.model_config.vocab_size
+        num_prompt = len(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); "
+                "use ids from this model's tokenizer"
+            )
+        if num_prompt >= max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {max_model_len} "
+                "(prompt plus at least one output token); raise max_model_len or shorten the prompt"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens and max_tokens={params.max_tokens}, "
+                f"{num_prompt + params.max_tokens} in all; max_model_len is {max_model_len}; "
+                "lower max_tokens, shorten the prompt or raise max_model_len"
+            )
+        suppressed = len(params.stop_token_ids) + (0 if params.ignore_eos else len(eos_token_ids))
+        if params.min_tokens > 0 and suppressed > self.runner.max_suppressed_ids:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
+                f"at most {self.runner.max_suppressed_ids} are supported; pass fewer stop_token_ids or min_tokens=0"
+            )
+        params.check_token_ids(vocab)  # logit_bias, allowed_token_ids, bad_words
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds max_logprobs={self.config.max_logprobs}; "
+                    "ask for fewer or raise max_logprobs"
+                )
+
+    def add_requests(self, completions: Sequence[Request]) -> None:
+        """Queue the completions of one prompt (n > 1: several; see parallel_sampling.py), checked
+        already (check_request). With prefix caching the others wait for the first's prompt blocks."""
+        first = completions[0]
+        wait_for = first if self._shares_prompt(completions) else None
+        for request in completions:
+            self.scheduler.add_request(request, wait_for if request is not first else None)
+
+    def _shares_prompt(self, completions: Sequence[Request]) -> bool:
+        """True when completions 1..n-1 find the first's prompt blocks cached instead of computing their own."""
+        return (len(completions) > 1 and self.config.enable_prefix_caching
+                and not computes_whole_prompt(completions[0].sampling_params))
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish an unfinished request as aborted and free what it holds; None if unknown or finished."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.runner.release_request(request_id)
+        return request
+
+    def stop_request(self, request_id: str) -> Request | None:
+        """Finish an unfinished request a stop string ended (its front end found it); as an abort, a
+        step in flight skips its row."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        if request is not None:
+            self.runner.release_request(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
+    # ---- the loop -------------------------------------------------------------
+
+    def step(self) -> EngineCoreStep:
+        """Schedule and launch a device step, and read a step's tokens into their requests.
+
+        The step read is the one just launched, or with async scheduling the one launched before
+        it, read while the new one runs (which takes its decode tokens from that step's output on
+        the device): the host's work overlaps the device's.
+        """
+        if self.in_flight is not None and not self._overlaps():
+            # Overlapping stops: read the step in flight now and schedule the next one on the next
+            # call, so each call still reports one step (an abort between calls lands exactly).
+            launched, self.in_flight = self.in_flight, None
+            return self._update(launched)
+        scheduled = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduled.num_scheduled_tokens
+        launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
+        self.num_steps += launched is not None
+        if self.in_flight is not None or self._overlaps():  # a step in flight is always read before this one
+            launched, self.in_flight = self.in_flight, launched
+        return NOTHING_READ if launched is None else self._update(launched)
+
+    def _update(self, launched: Any) -> EngineCoreStep:
+        """Read a launched step's tokens into its requests; a request finished since it was launched
+        is skipped (its blocks and slot are free already), and a request it finishes is freed."""
+        sampled, prompt_logprobs = self.runner.collect(launched)
+        scheduled = launched.scheduled
+        if prompt_logprobs:
+            prompt_logprobs = {row.request.request_id: prompt_logprobs[row.request.request_id]
+                               for row in scheduled.scheduled
+                               if not row.request.is_finished and row.request.request_id in prompt_logprobs}
+        skipped: list[Request] = []
+        finished = self.scheduler.update(scheduled, sampled.token_ids, skipped)
+        release = self.runner.release_request
+        for request in finished:  # now: its slot serves others from the next step
+            release(request.request_id)
+        return EngineCoreStep(sampled, prompt_logprobs, finished, skipped, scheduled.preempted_request_ids)
+
+    def _overlaps(self) -> bool:
+        """Whether this step reads the previous step's tokens (async scheduling) or its own.
+
+        async_scheduling=None ("auto", `cbjax serve`'s default): always on an accelerator. On a CPU
+        only while every seat is taken: there the step runs on the host's own cores, and a prompt
+        that arrives while one step runs, with a seat free, would wait for the step already
+        launched behind it too (one more decode step of time to first token); with no seat free
+        it waits for a seat anyway, and overlapping keeps a full server's throughput.
+        """
+        mode = self.config.async_scheduling
+        if mode is None:
+            return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
+        return mode
+
+    # ---- state ----------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (and nothing done) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        block_manager = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": block_manager.num_blocks - 1,
+            "kv_blocks_free": block_manager.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "prefix_cache_queries": block_manager.prefix_cache_queries,
+            "prefix_cache_hits": block_manager.prefix_cache_hits,
+            "prefix_cache_hit_rate": block_manager.prefix_cache_hits / max(1, block_manager.prefix_cache_queries),
+            "attention_backend": self.runner.backend,
+            "buckets": len(self.runner.buckets),
+        }

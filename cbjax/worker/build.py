@@ -1,0 +1,104 @@
+"""The device side of an engine, made from its config: the model loaded, the KV pool sized, the runner compiled.
+
+LLMEngine (engine/), the engine-core process (core/engine_core_proc.py) and a multi-host worker
+(distributed/multihost.py) call this; the front ends import it only when they build one, so that
+importing them imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+from flax import nnx
+
+from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.resolve import resolve_model
+from cbjax.config import EngineConfig
+from cbjax.core.kv.sizing import plan_num_blocks
+from cbjax.models.config import ModelConfig
+from cbjax.models.layers.attention import resolve_backend
+from cbjax.models.registry import kv_cache_bytes_per_block
+from cbjax.worker.compilation.compile_cache import enable_compile_cache
+from cbjax.worker.distributed import multihost
+from cbjax.worker.distributed.sharding import TensorParallel
+from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
+from cbjax.worker.sample.penalty_state import penalty_state_bytes
+from kernels_cpu import register_in_background
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    runner: ModelRunner
+    model_config: ModelConfig
+    platform: str  # the first device's: "cpu", "gpu", ...
+    step_broadcast: multihost.StepBroadcast | None  # multi-host: the per-step buffer's ends (None: one process)
+
+
+def build_worker(config: EngineConfig, *, precompile: bool = True, progress: bool = True) -> Worker:
+    """Load `config.model`, size the KV pool and make (and compile, unless precompile=False) the runner.
+
+    Resolves `config` in place: the model's path, and max_model_len and the other limits the model sets.
+    """
+    config.model = str(resolve_model(config.model))
+    multihost.initialize(config)  # before any device is touched
+    device = jax.devices()[0]
+    enable_compile_cache(config.compilation_cache_dir, device)
+    dtype = config.dtype if config.dtype != "auto" else ("float32" if device.platform == "cpu" else "bfloat16")
+    # XLA:CPU has fast bf16 x bf16 -> f32 dots but slow bf16 arithmetic otherwise: on CPU,
+    # 16-bit weights keep float32 activations and a float32 KV pool.
+    activation_dtype = "float32" if device.platform == "cpu" else None
+    tensor_parallel = None
+    if config.tensor_parallel_size > 1:  # checked against the model before any weight is read
+        tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size)
+    # On a CPU the C++ attention kernel may need building (seconds): it builds while the weights
+    # load and the steps are traced; the runner waits for it before it compiles them.
+    kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
+    # Under TP, model_config counts KV heads after repetition (see cbjax/worker/distributed/sharding.py).
+    pack_for_cpu = (kernel_build is not None and config.cpu_packed_weights and tensor_parallel is None
+                    and config.num_processes == 1)
+    # One device: q/k/v and gate/up as one kernel each (3 dots and 3 arrays fewer per layer).
+    model, mc = load_model(
+        config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,
+        pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None,
+    )
+    config.resolve(mc.max_position_embeddings)
+    backend = resolve_backend(
+        config.attention_backend,
+        num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads
+        num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        wait_for_kernel=kernel_build is None,
+    )
+    reserved_bytes = 0
+    if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+        # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
+        reserved_bytes = ModelRunner(model, mc, config, 2, backend, tensor_parallel).peak_step_bytes()
+        # The penalty table is allocated with the runner, after the pool is sized: keep room for it.
+        reserved_bytes += penalty_state_bytes(config.max_num_seqs, mc.vocab_size)
+    num_blocks = plan_num_blocks(
+        # Memory sizing is per device: each holds 1/tensor_parallel_size of every block.
+        bytes_per_block=kv_cache_bytes_per_block(mc, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model))
+        // config.tensor_parallel_size,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        device=device,
+        weights_bytes=sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model))),
+        reserved_bytes=reserved_bytes,
+    )
+    runner = ModelRunner(model, mc, config, num_blocks, backend, tensor_parallel)
+    step_broadcast = multihost.attach(runner, config)
+    if precompile:
+        start = time.perf_counter()
+        runner.precompile(progress=progress)
+        logger.info("compiled %d steps in %.1f s", len(runner.buckets), time.perf_counter() - start)
+    return Worker(runner, mc, device.platform, step_broadcast)
