@@ -26,7 +26,7 @@ from cbjax import LLM, SamplingParams  # noqa: E402
 from cbjax.checkpoint.params import expected_params, param_name  # noqa: E402
 from cbjax.worker.compilation.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
 from cbjax.plan.capacity import load_model_config  # noqa: E402
-from cbjax.checkpoint.convert import PARAMS_DIR  # noqa: E402
+from cbjax.checkpoint.layout import PARAMS_DIR  # noqa: E402
 from cbjax.checkpoint.loader import _restore_orbax  # noqa: E402
 from cbjax.models.config import ModelConfig  # noqa: E402
 from cbjax.config import EngineConfig  # noqa: E402

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cbjax.checkpoint.layout import PARAMS_DIR
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params
 from cbjax.checkpoint.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from cbjax.models.config import SUPPORTED_DTYPES, ModelConfig
 
-PARAMS_DIR = "params"
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

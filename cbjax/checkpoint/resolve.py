@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cbjax.checkpoint.convert import PARAMS_DIR, convert_checkpoint
+from cbjax.checkpoint.layout import PARAMS_DIR
 from cbjax.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ def _converted_copy(hf_dir: Path) -> Path:
 
 def _convert_into(hf_dir: Path, target: Path) -> Path:
     """Convert into a scratch folder, then rename: an interrupted conversion is never reused."""
+    from cbjax.checkpoint.convert import convert_checkpoint  # JAX: only a conversion needs it
+
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
-from cbjax.checkpoint import resolve
+from cbjax.checkpoint import convert, resolve
 from cbjax.checkpoint.loader import load_model
 
 
@@ -28,7 +28,7 @@ def test_hf_directory_is_converted_once_into_the_cache_and_reused(tmp_path, cach
     def no_second_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(resolve, "convert_checkpoint", no_second_conversion)
+    monkeypatch.setattr(convert, "convert_checkpoint", no_second_conversion)
     assert resolve.resolve_model(str(hf_dir)) == converted
 
 

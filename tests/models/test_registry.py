@@ -24,11 +24,11 @@ from tiny_checkpoint import make_tiny_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_registry_and_model_config_import_no_jax():
+def test_registry_model_config_and_checkpoint_resolution_import_no_jax():
     # The package's own __init__ (the public API) is skipped: this checks the modules the front end reads.
     code = (
         "import sys, types; package = types.ModuleType('cbjax'); package.__path__ = ['cbjax']; sys.modules['cbjax'] = package; "
-        "import cbjax.models.registry, cbjax.models.config, cbjax.models.tensor_parallel; "
+        "import cbjax.models.registry, cbjax.models.config, cbjax.models.tensor_parallel, cbjax.checkpoint.resolve; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib')))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
