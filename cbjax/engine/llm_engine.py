@@ -71,7 +71,6 @@ class LLMEngine:
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         params.update_from_tokenizer(self.tokenizer.encode_chat)  # bad_words to token ids, no special tokens
         self.core.check_request(token_ids, params, self.eos_token_ids, priority)
-        self.core.scheduler.check_priority(priority)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         parent = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text, priority)
         self.core.add_requests(parent.children)
