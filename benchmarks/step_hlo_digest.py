@@ -29,6 +29,7 @@ def normalized_entry(hlo: str) -> list[str]:
         line = re.sub(r"\.\d+", "", line)  # numeric suffixes of names
         line = re.sub(r"[%.\w-]+\s*=\s*", "", line).split(", metadata")[0]  # the instruction's own name, metadata
         line = re.sub(r', \{"[^"]*" \d+\}', "", line)  # source locations
+        line = re.sub(r"(\"Cbjax\w+)_[0-9a-f]{16}\"", r'\1"', line)  # the C++ kernels' build hash (their sources' text)
         lines.append(re.sub(r"region_\d+", "region", line).strip())
     return sorted(lines)
 
