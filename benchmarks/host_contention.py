@@ -1,18 +1,17 @@
 """The engine core's host step alone, and beside a second busy Python process (two-core machines).
 
-    PYTHONPATH=. python benchmarks/host_contention.py --runs 6
+    python -m benchmarks.host_contention --runs 6
 
-An engine core (LLMEngine.send_progress(), the stand-in device of `cbjax bench host`, 0 ms
-device) steps 256 greedy requests to their end in this process, --runs times, with no front end:
-each step's progress is made and dropped. Then the same with a second such process started beside
-it (`--worker`), as the front end of `--engine-process on` runs beside the core. It prints each
+An engine core (EngineCore.step(), the stand-in device of `cbjax bench host`, 0 ms device)
+steps 256 greedy requests to their end in this process, --runs times, with no front end: no step's
+outputs are made. Then the same with a second such process started beside it (`--worker`), as the
+front end of `--engine-process on` runs beside the core. It prints each
 run's median wall time per decode step of all 256 requests, and the medians of the runs, as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import statistics
 import subprocess
@@ -22,30 +21,21 @@ import time
 from cbjax.bench.host import PASSAGE, add_host_parser, build_standin_engine, host_params, measure
 
 
-def core_runs(model: str, runs: int, num_running: int = 256, max_model_len: int = 1024,
-              profile: cProfile.Profile | None = None, prompt_len: int | None = None,
-              output_len: int | None = None) -> list[float]:
-    """Each run's median wall ms per decode step; `profile`, if given, records the steps (only them).
-    The requests' prompt and output lengths are `cbjax bench host`'s defaults unless given."""
+def core_runs(model: str, runs: int, num_running: int = 256, max_model_len: int = 1024) -> list[float]:
+    """Each run's median wall ms per decode step, with `cbjax bench host`'s prompt and output lengths."""
     parser = argparse.ArgumentParser()
     add_host_parser(parser.add_subparsers())
-    lengths = [*(["--prompt-len", str(prompt_len)] if prompt_len else []), *(["--output-len", str(output_len)] if output_len else [])]
-    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", str(max_model_len),
-                              *lengths])
+    args = parser.parse_args(["host", "--model", model, "--num-running", str(num_running), "--max-model-lens", str(max_model_len)])
     engine, timeline = build_standin_engine(args, max_model_len)
-    engine.send_progress()
+    core = engine.core  # stepped alone: the front end only queues the requests
     passage = engine.tokenizer.encode(PASSAGE)
     medians = []
     for run in range(runs):
         timeline.steps.clear()
         for i, params in enumerate(host_params(args.output_len, num_running, "greedy", "final_only", "together")):
             engine.add_request(f"r{run}-{i}", {"prompt_token_ids": passage[: args.prompt_len]}, params, None)
-        if profile is not None:
-            profile.enable()
-        while engine.has_unfinished_requests():
-            engine.step()
-        if profile is not None:
-            profile.disable()
+        while core.has_unfinished_requests():
+            core.step()
         # (no outputs are made here: measure's token counts stay 0)
         medians.append(measure(timeline.steps, [], 0.0, num_running, "together")["wall_ms_per_step"])
     return medians
