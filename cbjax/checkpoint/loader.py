@@ -17,7 +17,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.llama import fuse_projections, pack_linears
+from cbjax.models.layers.linear import fuse_projections, pack_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 

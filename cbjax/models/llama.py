@@ -24,14 +24,15 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from cbjax.models.config import ModelConfig
-from cbjax.models.layers.rope import apply_rope, rope_inv_freq
-from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
 from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
 from cbjax.models.layers.kv_pool import KVPool
+from cbjax.models.layers.linear import linear
+from cbjax.models.layers.norm import RMSNorm
+from cbjax.models.layers.rope import apply_rope, rope_inv_freq
 from kernels_pallas.reference import AttentionMetadata
 
-# Column blocks of the transposed tied head (separate arrays: slicing one array inside the step
-# makes XLA:CPU copy it). A [16, 576] x [576, 49152] bf16 head took 3.5 ms whole, 2.9 ms in 4.
+# Column blocks of the transposed tied head: separate arrays, as slicing one array inside the step
+# makes XLA:CPU copy it, and XLA:CPU runs their dots side by side (benchmarks/decode_dots_bandwidth.py --tied-head).
 TIED_HEAD_PARTS = 4
 
 
@@ -39,100 +40,21 @@ class DerivedWeight(nnx.Variable):
     """Computed from parameters after loading (never stored in or checked against a checkpoint)."""
 
 
-class RMSNorm(nnx.Module):
-    """HF's RMSNorm: normalize in float32, cast back, then scale (so bf16 rounds where HF does)."""
-
-    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: Float[Array, "... size"]) -> Float[Array, "... size"]:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
-
-
-class Linear(nnx.Linear):
-    """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
-    `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
-    else its jnp reference. An unpacked kernel ([in, out]) is nnx.Linear's dot."""
-
-    def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
-        kernel = self.kernel[...]
-        if kernel.ndim == 2:
-            return super().__call__(x)
-        y = packed_matmul_cpu(x, kernel) if plan.backend == "cpp" else packed_matmul_reference(x, kernel)
-        return y if self.bias is None else y + self.bias[...]
-
-
-# The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) is
-# 1.4-1.65x XLA's bf16 dots at decode steps' 8-16 rows but 0.89-0.97x at prompt steps' 256-512, and
-# whole engines lost 4-8% with it at 64 sequences of long prompts (BENCHMARKS.md, section 15).
-PACKED_DTYPES = (jnp.dtype(jnp.float32),)
-
-
-def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
-    """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
-    matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
-    allows; the LM head and embeddings as they are. The cast comes first, so the layout is the
-    served dtype's. One tensor at a time: each packed copy replaces its original."""
-    if jnp.dtype(dtype) not in PACKED_DTYPES:
-        return params
-    for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
-            params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
-    return params
-
-
-# Fused kernels (LlamaForCausalLM's fused_projections) and the checkpoint kernels whose columns they
-# hold, in order: e.g. `model.layers.3.self_attn.qkv_proj` from q_proj, k_proj and v_proj.
-FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
-
-def fuse_projections(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
-    """`params` (checkpoint names, kernels [in, out]) with each layer's q/k/v and gate/up kernels
-    (and biases) concatenated along their output columns into the fused model's parameters. One
-    layer at a time: each fused copy replaces its parts."""
-    for layer in range(num_layers):
-        prefix = f"model.layers.{layer}."
-        for fused, parts in FUSED_PROJECTIONS.items():
-            for leaf, axis in (("kernel", 1), ("bias", 0)):
-                names = [f"{prefix}{part}.{leaf}" for part in parts]
-                if all(name in params for name in names):
-                    params[f"{prefix}{fused}.{leaf}"] = np.concatenate([params.pop(name) for name in names], axis=axis)
-                elif any(name in params for name in names):
-                    raise ValueError(f"fuse_projections: {', '.join(n for n in names if n not in params)} missing beside "
-                                     f"{', '.join(n for n in names if n in params)}")
-    return params
-
-
-def _linear(
-    in_features: int, out_features: int, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
-    activation_dtype: jnp.dtype | None = None,
-) -> Linear:
-    """Weights and dot inputs in `dtype`; the product accumulates into `activation_dtype` if given."""
-    return Linear(
-        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
-        preferred_element_type=activation_dtype, rngs=rngs,
-    )
-
-
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
                  fused: bool = False):
         hidden, head_dim = config.hidden_size, config.head_dim
         self.config = config
-        linear = lambda i, o, bias: _linear(i, o, bias, dtype, rngs, activation_dtype)  # noqa: E731
+        projection = lambda i, o, bias: linear(i, o, bias, dtype, rngs, activation_dtype)  # noqa: E731
         q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         self.fused = fused
         if fused:  # q, k and v columns side by side in one kernel (fuse_projections)
-            self.qkv_proj = linear(hidden, q_width + 2 * kv_width, config.attention_bias)
+            self.qkv_proj = projection(hidden, q_width + 2 * kv_width, config.attention_bias)
         else:
-            self.q_proj = linear(hidden, q_width, config.attention_bias)
-            self.k_proj = linear(hidden, kv_width, config.attention_bias)
-            self.v_proj = linear(hidden, kv_width, config.attention_bias)
-        self.o_proj = linear(config.num_attention_heads * head_dim, hidden, config.attention_out_bias)
+            self.q_proj = projection(hidden, q_width, config.attention_bias)
+            self.k_proj = projection(hidden, kv_width, config.attention_bias)
+            self.v_proj = projection(hidden, kv_width, config.attention_bias)
+        self.o_proj = projection(config.num_attention_heads * head_dim, hidden, config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
@@ -176,11 +98,11 @@ class MLP(nnx.Module):
         hidden, inner = config.hidden_size, config.intermediate_size
         self.fused = fused
         if fused:  # gate and up columns side by side in one kernel (fuse_projections)
-            self.gate_up_proj = _linear(hidden, 2 * inner, config.mlp_bias, dtype, rngs, activation_dtype)
+            self.gate_up_proj = linear(hidden, 2 * inner, config.mlp_bias, dtype, rngs, activation_dtype)
         else:
-            self.gate_proj = _linear(hidden, inner, config.mlp_bias, dtype, rngs, activation_dtype)
-            self.up_proj = _linear(hidden, inner, config.mlp_bias, dtype, rngs, activation_dtype)
-        self.down_proj = _linear(inner, hidden, config.mlp_bias, dtype, rngs, activation_dtype)
+            self.gate_proj = linear(hidden, inner, config.mlp_bias, dtype, rngs, activation_dtype)
+            self.up_proj = linear(hidden, inner, config.mlp_bias, dtype, rngs, activation_dtype)
+        self.down_proj = linear(inner, hidden, config.mlp_bias, dtype, rngs, activation_dtype)
 
     def __call__(self, x: Float[Array, "tokens hidden"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "tokens hidden"]:
         if self.fused:
@@ -262,7 +184,7 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused_projections,
                                 decoder_layer=self.decoder_layer)
         # Tied models reuse the embedding matrix as the LM head, so there is no lm_head parameter.
-        self.lm_head = None if config.tie_word_embeddings else _linear(
+        self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, False, dtype, rngs, activation_dtype
         )
         # With 16-bit weights under float32 activations, a transposed copy of a tied table: XLA:CPU

@@ -11,7 +11,6 @@ works unchanged: the norms apply after the fused kernel's columns are split.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -19,7 +18,8 @@ from jaxtyping import Array, Float, Int
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.models.layers.kv_pool import KVPool
-from cbjax.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from cbjax.models.layers.norm import RMSNorm
+from cbjax.models.llama import MLP, Attention, LlamaForCausalLM
 from kernels_pallas.reference import AttentionMetadata
 
 
@@ -27,9 +27,7 @@ class Olmo2RMSNorm(RMSNorm):
     """HF's Olmo2RMSNorm: normalize and scale in float32, then cast back."""
 
     def __call__(self, x: Float[Array, "... size"]) -> Float[Array, "... size"]:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+        return (self.weight[...].astype(jnp.float32) * self.normalized(x)).astype(x.dtype)
 
 
 class Olmo2Attention(Attention):

@@ -155,7 +155,7 @@ def test_packed_model_matches_transformers_with_the_kernel_and_with_its_jnp_fall
 
 
 def test_bf16_weights_stay_unpacked_and_a_bf16_checkpoint_packs_as_float32(checkpoint, tmp_path):
-    """The engine packs float32 weights only (llama.PACKED_DTYPES), and packs after the cast to
+    """The engine packs float32 weights only (models/layers/linear.py PACKED_DTYPES), and packs after the cast to
     the served dtype: a checkpoint stored in bfloat16 and served in float32 gets float32 panels."""
     hf_dir, converted = checkpoint
     half, _ = load_model(converted, dtype="bfloat16", activation_dtype="float32", pack_for_cpu=True)

@@ -11,7 +11,7 @@ from test_packed_matmul import forward_logits
 
 from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.weights_cache import DISABLE_ENV
-from cbjax.models.llama import fuse_projections
+from cbjax.models.layers.linear import fuse_projections
 from kernels_cpu import LAYOUT
 
 

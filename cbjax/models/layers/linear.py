@@ -1,0 +1,79 @@
+"""The decoder's projections: nnx.Linear that may run packed for the CPU matmul kernel, and the
+checkpoint rearrangements done at load (fused q/k/v and gate/up, packed kernels), by parameter name."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+from cbjax.models.layers.attention import AttentionPlan
+from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
+    `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
+    else its jnp reference. An unpacked kernel ([in, out]) is nnx.Linear's dot."""
+
+    def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            return super().__call__(x)
+        y = packed_matmul_cpu(x, kernel) if plan.backend == "cpp" else packed_matmul_reference(x, kernel)
+        return y if self.bias is None else y + self.bias[...]
+
+
+# The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) beats
+# XLA's bf16 dots at decode steps' few rows but loses at prompt steps', and whole engines lost with it
+# at 64 sequences of long prompts (benchmarks/decode_dots_bandwidth.py --packed;
+# docs/benchmarks-history/15-long-contexts-64-seqs.md).
+PACKED_DTYPES = (jnp.dtype(jnp.float32),)
+
+
+def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
+    """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
+    matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
+    allows; the LM head and embeddings as they are. The cast comes first, so the layout is the
+    served dtype's. One tensor at a time: each packed copy replaces its original."""
+    if jnp.dtype(dtype) not in PACKED_DTYPES:
+        return params
+    for name in list(params):
+        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
+            params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
+    return params
+
+
+# Fused kernels (a model's fused_projections) and the checkpoint kernels whose columns they
+# hold, in order: e.g. `model.layers.3.self_attn.qkv_proj` from q_proj, k_proj and v_proj.
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
+    """`params` (checkpoint names, kernels [in, out]) with each layer's q/k/v and gate/up kernels
+    (and biases) concatenated along their output columns into the fused model's parameters. One
+    layer at a time: each fused copy replaces its parts."""
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for leaf, axis in (("kernel", 1), ("bias", 0)):
+                names = [f"{prefix}{part}.{leaf}" for part in parts]
+                if all(name in params for name in names):
+                    params[f"{prefix}{fused}.{leaf}"] = np.concatenate([params.pop(name) for name in names], axis=axis)
+                elif any(name in params for name in names):
+                    raise ValueError(f"fuse_projections: {', '.join(n for n in names if n not in params)} missing beside "
+                                     f"{', '.join(n for n in names if n in params)}")
+    return params
+
+
+def linear(
+    in_features: int, out_features: int, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
+    activation_dtype: jnp.dtype | None = None,
+) -> Linear:
+    """Weights and dot inputs in `dtype`; the product accumulates into `activation_dtype` if given."""
+    return Linear(
+        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
+        preferred_element_type=activation_dtype, rngs=rngs,
+    )
