@@ -21,7 +21,7 @@ callbacks synchronously in the calling thread.)
 
 What it relies on in ModelRunner: `buckets`; `compiled[bucket]` called as
 `(weights, *donated_device_state, packed_inputs) -> (*device_state, packed_result)` and the result
-read with `np.asarray`; `_layouts[bucket]` / `_out_layouts[bucket]`, the PackedLayouts of
+read with `np.asarray`; `input_layouts[bucket]` / `output_layouts[bucket]`, the PackedLayouts of
 StepInputs (token_ids, positions, logits_indices, sampling.temperature) and StepOutputs
 (sampled.token_ids); and `warm_up()`, which calls every step once.
 """
@@ -148,7 +148,7 @@ def install_standin(runner: Any, delay_s: float, text_token_ids: list[int]) -> D
     timeline = DeviceTimeline(delay_s)
     text = np.asarray(text_token_ids, np.int32)
     runner.compiled = {
-        bucket: StandInStep(bucket, runner._layouts[bucket], runner._out_layouts[bucket], text, timeline)
+        bucket: StandInStep(bucket, runner.input_layouts[bucket], runner.output_layouts[bucket], text, timeline)
         for bucket in runner.buckets
     }
     runner.warm_up()

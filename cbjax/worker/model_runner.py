@@ -177,8 +177,10 @@ class ModelRunner:
         self.compiled: dict[Bucket, Any] = {}
         self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
-        self._layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
-        self._out_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
+        # Where each field of a step's packed inputs and packed result lies, per bucket (a stand-in
+        # device, cbjax/bench/standin_device.py, reads and writes them too).
+        self.input_layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
+        self.output_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
         self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
         self.activation_dtype = model.activation_dtype
@@ -249,7 +251,7 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------
 
     def _step_fn(self, bucket: Bucket, backend: str, name: str = "step"):
-        graphdef, layout, num_logprobs = self.graphdef, self._layouts[bucket], self.config.max_logprobs
+        graphdef, layout, num_logprobs = self.graphdef, self.input_layouts[bucket], self.config.max_logprobs
         state_treedef, weight_stacks = self._state_treedef, self.weight_stacks
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
@@ -316,7 +318,7 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
 
     def packed_size(self, bucket: Bucket) -> int:
-        return self._layouts[bucket].size
+        return self.input_layouts[bucket].size
 
     def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"]) -> jax.Array:
         """Start one step on the packed inputs; its packed result (fully replicated, so any process reads it).
@@ -421,7 +423,7 @@ class ModelRunner:
 
     def _step_key(self, bucket: Bucket) -> str:
         """The StepCache key of `bucket`'s program: everything it is traced from besides the code."""
-        return StepCache.key((self._step_key_base, self._layouts[bucket], self._out_layouts[bucket], bucket))
+        return StepCache.key((self._step_key_base, self.input_layouts[bucket], self.output_layouts[bucket], bucket))
 
     def _compile(self, bucket: Bucket) -> Any:
         """Trace, lower and compile `bucket`'s step with this device's compiler options (no cache)."""
@@ -660,7 +662,7 @@ class ModelRunner:
         scheduled, inputs = launched.scheduled, launched.inputs
         with peer_failures(self.step_broadcast):
             result = np.asarray(launched.result)
-        out: StepOutputs = unpack_host(result, self._out_layouts[launched.bucket])
+        out: StepOutputs = unpack_host(result, self.output_layouts[launched.bucket])
         logprobs = out.sampled.logprobs
         rows = launched.sampling_requests
         # Whole columns to Python at once: per-row numpy indexing cost microseconds a row.
