@@ -42,14 +42,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     args = parser.parse_args()
-    import cbjax.engine.llm_engine as engine_module
+    import cbjax.worker.build as worker_build
     import kernels_cpu.registry as kernel_registry
     from cbjax import LLM
     from cbjax.worker.compilation.compile_cache import StepCache
     from cbjax.worker.model_runner import ModelRunner
 
     wrap(kernel_registry, "build", "kernel build")
-    wrap(engine_module, "load_model", "load weights")
+    wrap(worker_build, "load_model", "load weights")
     wrap(ModelRunner, "_lower", "trace and lower")
     wrap(StepCache, "compile_fresh", "compile")
     wrap(ModelRunner, "warm_up", "warm-up")
