@@ -40,7 +40,7 @@ class PromptLogprobsChunk:
     top_logprobs: list[list[float]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: made every step, and a frozen init sets each field through object.__setattr__
 class EngineCoreStep:
     """What one EngineCore.step() read back: the tokens of the step it collected (None: it collected
     none, e.g. the first step launched with async scheduling), already in their requests."""
