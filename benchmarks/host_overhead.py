@@ -6,9 +6,9 @@
 Part 1 runs the real engine with `--num-requests` requests decoding together
 and times each phase of every step by wrapping the engine's own objects:
 schedule (Scheduler.schedule), prepare (bucket choice and numpy packing),
-device (the compiled step, transfers included), update (Scheduler.update) and
-outputs (detokenization, stop strings, RequestOutput). Host share = everything
-but device, over the whole step.
+device (the runner's dispatch and collect less prepare: the compiled step, transfers included),
+update (Scheduler.update) and outputs (detokenization, stop strings, RequestOutput). Host share =
+everything but device, over the whole step.
 
 host_cpu_ms is the same host share measured as the main thread's CPU time (time.thread_time),
 which other processes competing for the cores do not inflate.
@@ -55,7 +55,8 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
     times: dict[str, list[float]] = defaultdict(list)
     runner, scheduler = engine.runner, engine.scheduler
     runner.prepare = timed(times, "prepare", runner.prepare)
-    runner.execute = timed(times, "execute", runner.execute)
+    runner.dispatch = timed(times, "dispatch", runner.dispatch)
+    runner.collect = timed(times, "collect", runner.collect)
     schedule = timed(times, "schedule", scheduler.schedule)
     everyone_decoding = []
 
@@ -71,7 +72,8 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
     if penalties:
         params = dataclasses.replace(params, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
     for i in range(num_requests):
-        engine.add_request(str(i), {"prompt_token_ids": rng.integers(10, 40000, prompt_len).tolist()}, params)
+        prompt = rng.integers(10, engine.model_config.vocab_size, prompt_len).tolist()
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     step = timed(times, "step", engine.step)
     while engine.has_unfinished_requests():
         step()
@@ -79,13 +81,15 @@ def engine_phases(engine: LLMEngine, num_requests: int, prompt_len: int, output_
     if not full:
         raise SystemExit("no step had every request decoding; raise --output-len above the prefill steps")
     pick = lambda name: float(np.median([times[name][i] for i in full]))  # noqa: E731
-    step, schedule, update, execute, prepare = pick("step"), pick("schedule"), pick("update"), pick("execute"), pick("prepare")
+    step, schedule, update, prepare = pick("step"), pick("schedule"), pick("update"), pick("prepare")
+    execute = pick("dispatch") + pick("collect")
     device = execute - prepare
     outputs = step - schedule - update - execute
     host = step - device
     # The main thread's CPU time, per step, outside the device call: host work that waiting for a
     # busy CPU (other processes on a shared machine) does not inflate.
-    host_cpu = [times["step_cpu"][i] - times["execute_cpu"][i] + times["prepare_cpu"][i] for i in full]
+    host_cpu = [times["step_cpu"][i] - times["dispatch_cpu"][i] - times["collect_cpu"][i] + times["prepare_cpu"][i]
+                for i in full]
     return dict(
         num_running=num_requests, step_ms=step * 1e3, schedule_ms=schedule * 1e3, prepare_ms=prepare * 1e3,
         device_ms=device * 1e3, update_ms=update * 1e3, outputs_ms=outputs * 1e3,
