@@ -69,7 +69,7 @@ def main() -> None:
     engines = {length: build_standin_engine(host_args, length) for length in args.lengths}
     steps: dict[int, list[dict[str, float]]] = {length: [] for length in args.lengths}
     for length, (engine, timeline) in engines.items():
-        run_host(engine, timeline, 16, host_args.prompt_len, host_args.output_len, args.variant, 0.0)  # warm-up
+        run_host(engine, timeline, min(16, args.num_running), host_args.prompt_len, host_args.output_len, args.variant, 0.0)  # warm-up
         time_phases(engine, steps[length], time.process_time if args.clock == "cpu" else time.perf_counter)
     for repeat in range(args.repeats):
         for length, (engine, timeline) in (list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]):

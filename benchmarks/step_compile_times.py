@@ -67,7 +67,7 @@ def main() -> None:
         inputs.attention.query_start_loc[1:] = 1
         start = time.perf_counter()
         runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table, out = executables[index, bucket](
-            runner.weights, runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table, pack(inputs))
+            runner.step_weights, runner.kv_pool, runner.penalty_state, runner.last_sampled, runner.block_table, pack(inputs))
         out.block_until_ready()
         return (time.perf_counter() - start) * 1e3
 
