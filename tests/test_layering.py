@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("cbjax", "kernels_pallas", "kernels_cpu")
