@@ -61,7 +61,7 @@ class ProcessCoreClient:
             ready = self._recv_or_dead()
         except Exception as error:  # (an exception the child sent that this process cannot unpickle)
             ready = ("dead", f"the engine core failed to start: {error!r}")
-        if ready[0] == "failed":  # what LLMEngine raised there (bad options: a ValueError saying which)
+        if ready[0] == "failed":  # what building the core raised there (bad options: a ValueError saying which)
             self.process.join(10)
             raise ready[1]
         if ready[0] != "ready":
