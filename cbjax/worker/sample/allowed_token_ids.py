@@ -22,5 +22,5 @@ STAGE = Stage(
     (Column("allowed_token_ids", np.int32, -1, lambda row: row.params.allowed_token_ids or [],
             width=MAX_ALLOWED_TOKEN_IDS, used_by=lambda params: params.allowed_token_ids is not None),),
     apply=keep_allowed,
-    in_use=lambda t: (t.allowed_token_ids >= 0).any(),
+    in_use=lambda t: (t.allowed_token_ids[:, 0] >= 0).any(),  # left-aligned: a used row fills slot 0
 )

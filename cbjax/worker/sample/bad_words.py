@@ -64,5 +64,5 @@ STAGE = Stage(
         Column("bad_word_context", np.int32, -1, context, per_step=True, width=CONTEXT_LEN, used_by=_uses),
     ),
     apply=ban_completions,
-    in_use=lambda t: (t.bad_word_ids >= 0).any(),
+    in_use=lambda t: (t.bad_word_ids[:, MAX_BAD_WORD_TOKENS - 1] >= 0).any(),  # a used row's first sequence ends there
 )

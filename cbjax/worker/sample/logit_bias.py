@@ -29,5 +29,5 @@ STAGE = Stage(
                width=MAX_LOGIT_BIAS, used_by=_uses),
     ),
     apply=add_bias,
-    in_use=lambda t: (t.logit_bias_ids >= 0).any(),
+    in_use=lambda t: (t.logit_bias_ids[:, 0] >= 0).any(),  # left-aligned: a used row fills slot 0
 )

@@ -35,5 +35,5 @@ STAGE = Stage(
     (Column("suppress_token_ids", np.int32, -1, lambda row: row.suppress_token_ids, per_step=True,
             width=SUPPRESS_LEN, used_by=lambda params: params.min_tokens > 0),),
     apply=lambda logits, t, _: set_to_minus_inf(logits, t.suppress_token_ids),
-    in_use=lambda t: (t.suppress_token_ids >= 0).any(),
+    in_use=lambda t: (t.suppress_token_ids[:, 0] >= 0).any(),  # left-aligned: a used row fills slot 0
 )
