@@ -73,7 +73,7 @@ def enable_compile_cache(setting: str | None, device: jax.Device) -> pathlib.Pat
 
 # LLVM's optimization level for XLA:CPU's generated code: 1 instead of XLA's default 2 compiles the step
 # programs sooner and the steps run as fast; level 0 compiles sooner still but its steps run slower
-# (`python -m benchmarks.step_compile_times --options ... --calls N`, BENCHMARKS.md "Compile times").
+# (`python -m benchmarks.step_compile_times --options ... --calls N`, BENCHMARKS.md, "Start-up and compile times").
 # The dots and the attention are library calls (Eigen, oneDNN, the C++ kernel): only fusions are
 # generated, and those are memory-bound.
 CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
