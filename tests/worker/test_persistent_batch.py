@@ -134,3 +134,42 @@ def test_long_decodes_follow_across_block_boundaries_and_outputs_match(engine, m
         engine.config.async_scheduling = True
     assert followed[False] == row_by_row and followed[True] == row_by_row
     assert_all_released(engine)
+
+
+def test_new_sampling_fields_follow_or_not_and_outputs_match(engine, monkeypatch):
+    """logit_bias and allowed_token_ids rows follow (their columns travel with the row, also once
+    a row has left); a bad_words row, whose columns change per step, has its steps built row by row.
+    The outputs are the same with and without following and with async scheduling on and off (the
+    newest output token a bad word's prefix is compared with comes from the device when the host
+    does not have it yet)."""
+    from cbjax import SamplingParams
+
+    bad_words = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=["a", "the"])  # the longest
+    bad_words.update_from_tokenizer(engine.tokenizer.encode_chat)
+    following = [
+        ([5, 9, 11], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={7: 2.5, 40: -3.0}), None),
+        ([6, 8], SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True,
+                                allowed_token_ids=[7, 8, 9, 10, 40, 41]), None),
+        ([12, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), None),
+    ]
+    checked = CheckedPrepare(engine.runner, monkeypatch)
+    engine.runner.prepare = checked
+    try:
+        followed = {mode: serve(engine, following, async_scheduling=mode) for mode in (False, True)}
+        assert checked.num_followed >= checked.num_steps // 2, (checked.num_followed, checked.num_steps)
+        assert checked.num_followed_after_leaving >= 1
+        num_followed = checked.num_followed
+        with_bad_words = {mode: serve(engine, following + [([7, 7, 7], bad_words, None)], async_scheduling=mode)
+                          for mode in (False, True)}
+        assert checked.num_followed == num_followed  # none: the bad_words row is in every step
+    finally:
+        del engine.runner.prepare
+    engine.runner.follow_decode_steps = False
+    try:
+        assert followed[True] == followed[False] == serve(engine, following, async_scheduling=False)
+        assert with_bad_words[True] == with_bad_words[False]
+    finally:
+        engine.runner.follow_decode_steps = True
+        engine.config.async_scheduling = True
+    assert set(followed[False]["r1"][0][0][0]) <= {7, 8, 9, 10, 40, 41}
+    assert_all_released(engine)
