@@ -36,9 +36,10 @@ class Column:
 
 @dataclass(frozen=True)
 class Stage:
-    """A step of the pipeline: `apply(logits, t, penalty_state) -> logits` on every row (rows that do
-    not use it must come out unchanged); run under lax.cond only when `in_use(t)` (works on host
-    numpy and device arrays alike: `.any()` of a column test)."""
+    """A step of the pipeline. A logits stage's `apply(logits, t, penalty_state) -> logits` runs on
+    every row (rows that do not use it come out unchanged), under lax.cond only when `in_use(t)`;
+    a random stage's `apply(logits, t) -> logits` runs on the random rows' logits. `in_use` works
+    on host numpy and device arrays alike (`.any()` of a column test)."""
 
     name: str
     columns: tuple[Column, ...]
