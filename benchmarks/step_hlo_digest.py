@@ -27,7 +27,8 @@ def normalized_entry(hlo: str) -> list[str]:
         if "=" not in line:
             continue
         line = re.sub(r"\.\d+", "", line)  # numeric suffixes of names
-        line = re.sub(r"[%.\w-]+\s*=\s*", "", line).split(", metadata")[0]  # the instruction's own name, metadata
+        line = line.split(", metadata=")[0]  # source metadata (op names, stack frame ids)
+        line = re.sub(r"[%.\w-]+\s*=\s*", "", line)  # the instruction's own name, attribute names
         line = re.sub(r', \{"[^"]*" \d+\}', "", line)  # source locations
         line = re.sub(r"(\"Cbjax\w+)_[0-9a-f]{16}\"", r'\1"', line)  # the C++ kernels' build hash (their sources' text)
         lines.append(re.sub(r"region_\d+", "region", line).strip())
