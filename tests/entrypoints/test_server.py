@@ -456,10 +456,13 @@ def test_priority_policy_serves_an_urgent_request_before_those_queued_earlier(pr
             while metric(metrics(priority_server), "vllm:num_requests_waiting") < 28:
                 assert time.monotonic() < deadline, "BUSY's prompts never waited"
                 await asyncio.sleep(0.005)
+            finished_before = order.count("busy")
             tasks += [asyncio.create_task(short("low", 5)), asyncio.create_task(short("urgent", -1))]
             await asyncio.gather(*tasks)
-            return order
+            return order, finished_before
 
-    order = asyncio.run(run())
+    order, finished_before = asyncio.run(run())
     assert order.count("busy") == 32
-    assert order.index("urgent") <= 4 < order.index("low"), order
+    # Until the two requests reach the engine a few more BUSY prompts may finish (a loaded machine
+    # steps on while they cross HTTP): allow 4 more than the 4 seats; fcfs would put "urgent" 32nd.
+    assert order.index("urgent") <= finished_before + 8 < 32 < order.index("low"), order
