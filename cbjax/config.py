@@ -53,7 +53,7 @@ class EngineConfig:
     # (LLMEngine._overlaps: otherwise a prompt arriving mid-step would wait one more step).
     async_scheduling: bool | None = True
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
-    # Multi-host (engine/multihost.py): every process gets the same options but its own process_id;
+    # Multi-host (worker/distributed/multihost.py): every process gets the same options but its own process_id;
     # process 0 serves, the others run `cbjax worker`. The mesh spans all processes' devices.
     coordinator: str | None = None  # "HOST:PORT" of process 0, where jax.distributed's coordinator listens
     num_processes: int = 1

@@ -182,7 +182,7 @@ class ModelRunner:
         self.input_layouts = {bucket: PackedLayout.of(self._host_inputs(bucket)) for bucket in self.buckets}
         self.output_layouts = {bucket: PackedLayout.of(self._host_outputs(bucket)) for bucket in self.buckets}
         self._bucket_index = {bucket: i for i, bucket in enumerate(self.buckets)}
-        self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (engine/multihost.py)
+        self.step_broadcast: Any = None  # multi-host leader: sends each step to the workers (worker/distributed/multihost.py)
         self.activation_dtype = model.activation_dtype
         self.matmul_precision = matmul_precision(model.activation_dtype, jax.devices()[0].platform)
         self.compiler_options = step_compiler_options(jax.devices()[0].platform)

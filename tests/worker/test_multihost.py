@@ -145,7 +145,7 @@ def test_pool_spans_both_processes_devices(run):
 def ended_by_jax_distributed(returncode: int | None, stderr: str) -> bool:
     """Whether jax.distributed noticed the dead peer before a step's collectives did (a race, seen
     in CI both ways round: its error poll or heartbeats win under load): then jax's own message
-    ends the process with SIGABRT (engine/multihost.py's docstring)."""
+    ends the process with SIGABRT (worker/distributed/multihost.py's docstring)."""
     if returncode != -signal.SIGABRT:
         return False
     assert "JAX distributed service detected fatal errors" in stderr and "another task died" in stderr, stderr

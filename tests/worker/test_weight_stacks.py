@@ -1,4 +1,4 @@
-"""The weights' vectors travel into a step stacked (engine/weight_stacks.py): which ones, and that the
+"""The weights' vectors travel into a step stacked (worker/weight_stacks.py): which ones, and that the
 step sees every weight as it was."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from cbjax.worker.distributed.multihost import run_worker
+    from cbjax.worker.worker_process import run_worker
 
     run_worker(args.model, engine_options(args))
 
