@@ -115,15 +115,15 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish an unfinished request as aborted and free what it holds; None if unknown or finished."""
-        request = self.scheduler.abort_request(request_id)
-        if request is not None:
-            self.runner.release_request(request_id)
-        return request
+        return self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def stop_request(self, request_id: str) -> Request | None:
         """Finish an unfinished request a stop string ended (its front end found it); as an abort, a
         step in flight skips its row."""
-        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        return self._finish(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        request = self.scheduler.finish_request(request_id, status)
         if request is not None:
             self.runner.release_request(request_id)
         return request
