@@ -17,7 +17,7 @@ from cbjax.core.outputs import EngineCoreStep
 from cbjax.core.request import Request
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest
-from cbjax.engine.request_book import Prompt, RequestBook, eos_token_ids, tokenize_prompt
+from cbjax.engine.request_book import Prompt, RequestBook, eos_token_ids, tokenize_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -68,8 +68,7 @@ class LLMEngine:
         (lower first)."""
         params = sampling_params or SamplingParams()
         self.book.check_free(request_id, params.n)
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        params.update_from_tokenizer(self.tokenizer.encode_chat)  # bad_words to token ids, no special tokens
+        text, token_ids = tokenize_request(self.tokenizer, prompt, params)
         self.core.check_request(token_ids, params, self.eos_token_ids, priority)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         parent = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text, priority)

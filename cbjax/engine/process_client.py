@@ -33,7 +33,7 @@ from cbjax.core.protocol import StepProgress
 from cbjax.engine.core_client import OutputSink, StatLogger, deliver, deliver_all
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.frontend import Frontend
-from cbjax.engine.request_book import Prompt, eos_token_ids, tokenize_prompt
+from cbjax.engine.request_book import Prompt, eos_token_ids, tokenize_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -105,8 +105,7 @@ class ProcessCoreClient:
         for request_id, prompt, params, sink, priority in requests:
             arrival_time = time.monotonic()
             try:
-                text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-                params.update_from_tokenizer(self.tokenizer.encode_chat)  # bad_words to token ids, no special tokens
+                text, token_ids = tokenize_request(self.tokenizer, prompt, params)
                 with self._lock:
                     if self.error is not None:
                         raise self.error

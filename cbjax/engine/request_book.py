@@ -122,10 +122,14 @@ def eos_token_ids(tokenizer: Tokenizer, model_config: Any) -> list[int]:
     return list(tokenizer.eos_token_ids or model_config.eos_token_id)
 
 
-def tokenize_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
-    """A prompt's text (None if given as ids alone) and token ids."""
+def tokenize_request(tokenizer: Tokenizer, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    """A prompt's text (None if given as ids alone) and token ids; then `params.bad_words` become
+    token ids too (without special tokens, as vLLM's)."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-    raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        text, token_ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text, token_ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+    else:
+        raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+    params.update_from_tokenizer(tokenizer.encode_chat)
+    return text, token_ids
