@@ -102,12 +102,6 @@ def request_columns(params: SamplingParams, seed: int, penalty_slot: int = NO_SL
                           tuple(k for k, c in enumerate(_STEP_COLUMNS) if c.used_by(params)))
 
 
-def _column(values, num_rows: int, dtype: type, pad: float) -> np.ndarray:
-    column = np.full(num_rows, pad, dtype)
-    column[: len(values)] = values
-    return column
-
-
 def assemble_sampling_tensors(
     constants: Sequence[RequestColumns], counters: Sequence[int], step_rows: dict[int, SamplingRow],
     num_rows_padded: int, suppress_len: int = min_tokens.SUPPRESS_LEN,
@@ -121,7 +115,7 @@ def assemble_sampling_tensors(
                          f"use a bucket of at least {num_rows} rows")
     # One conversion for every one-value column (float64 holds each exactly: float32s, small ints, seeds < 2**32).
     table = np.array([c.scalars for c in constants], np.float64).reshape(num_rows, len(_SCALAR_CONSTANTS))
-    columns = {c.name: _column(table[:, k], num_rows_padded, c.dtype, c.pad) for k, c in enumerate(_SCALAR_CONSTANTS)}
+    columns = {c.name: left_aligned(table[:, k], num_rows_padded, c.pad, c.dtype) for k, c in enumerate(_SCALAR_CONSTANTS)}
     columns.update((c.name, c.padded(num_rows_padded)) for c in _WIDE_CONSTANTS)
     for i in [i for i, c in enumerate(constants) if c.wide]:
         for k, values in constants[i].wide:
@@ -136,7 +130,7 @@ def assemble_sampling_tensors(
                 raise ValueError(f"row {i} has {len(values)} {column.name} but the column holds "
                                  f"{widths[column.name]}; raise its width or pass fewer")
             columns[column.name][i, : len(values)] = values
-    columns[COUNTERS.name] = _column(counters, num_rows_padded, COUNTERS.dtype, COUNTERS.pad)
+    columns[COUNTERS.name] = left_aligned(counters, num_rows_padded, COUNTERS.pad, COUNTERS.dtype)
     return SamplingTensors(**columns)
 
 
