@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 import pytest
 from tiny_checkpoint import make_tiny_checkpoint
 
