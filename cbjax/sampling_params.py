@@ -1,14 +1,17 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names and meanings)."""
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cbjax.arguments import UNSUPPORTED_SAMPLING_OPTIONS, check_int, check_number, reject_unsupported
+from cbjax.arguments import UNSUPPORTED_SAMPLING_OPTIONS, check_int, check_number, describe, reject_unsupported
 
 MAX_LOGPROBS = 20  # top-N logprobs per token a request may ask for
+MAX_N = 128  # completions per prompt (OpenAI's bound on n): each is a request of its own
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
+# The sampler's columns are float32: a finite value beyond this would reach the device as inf.
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed's range (the OpenAI server's, as vLLM's)
 # Per-request widths of the sampler's fixed-shape columns (worker/sample/): the compiled steps hold this many.
 MAX_LOGIT_BIAS = 16  # logit_bias entries
 MAX_ALLOWED_TOKEN_IDS = 32  # allowed_token_ids
@@ -18,8 +21,15 @@ MAX_BAD_WORD_TOKENS = 5  # tokens of one such sequence
 _check_int = check_int
 
 
-def _check_range(name: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
+def _check_finite(name: str, value: float) -> None:
+    """A number that reaches the sampler as a finite float32 (NaN, inf, 1e39 and 10**400 do not)."""
     check_number(name, value)
+    if not abs(value) <= FLOAT32_MAX:  # `not` also rejects NaN; an int too large for a float compares exactly
+        raise ValueError(f"{name} must be a finite number of magnitude at most {FLOAT32_MAX:.4g}, got {describe(value)}")
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
+    _check_finite(name, value)
     inside_low = value > low if open_low else value >= low
     if not (inside_low and value <= high):  # `not` also rejects NaN
         bracket = "(" if open_low else "["
@@ -100,14 +110,21 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N} (completions per prompt), got {self.n}; "
+                             "send several requests for more completions")
         _check_range("temperature", self.temperature, 0.0, float("inf"))
         _check_range("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
+        if self.top_k < -1:  # a top_k beyond the vocabulary keeps every token (the sampler clamps it)
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            # Completion i of n samples from seed + i (parallel_sampling.py): each must be in range too.
+            if not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+                raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] (a 64-bit int, "
+                                 f"less n - 1), got {self.seed}")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), open_low=True)
@@ -137,9 +154,10 @@ class SamplingParams:
         for stop in stops:
             if not isinstance(stop, str) or not stop:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if isinstance(self.stop_token_ids, (str, bytes, dict)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids or []:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+            _check_token_id("stop_token_ids", token_id)
 
     def _validate_token_lists(self) -> None:
         if self.logit_bias is not None:
@@ -147,9 +165,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             for token_id, bias in self.logit_bias.items():
                 _check_token_id("logit_bias", token_id)
-                check_number(f"logit_bias[{token_id}]", bias)
-                if not math.isfinite(bias):
-                    raise ValueError(f"logit_bias[{token_id}] must be finite, got {bias}")
+                _check_finite(f"logit_bias[{token_id}]", bias)
             _check_count("logit_bias entries", len(self.logit_bias), MAX_LOGIT_BIAS)
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes, dict)) or not hasattr(self.allowed_token_ids, "__iter__"):
@@ -183,9 +199,9 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_token_ids", sequences)  # frozen: derived once, like vLLM's
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Raise ValueError if a token id of logit_bias, allowed_token_ids or bad_words is outside the
-        model's vocabulary [0, vocab_size) (the engine calls it when it takes the request)."""
-        for name, token_ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+        """Raise ValueError if a token id of stop_token_ids, logit_bias, allowed_token_ids or bad_words
+        is outside the model's vocabulary [0, vocab_size) (the engine checks it when it takes the request)."""
+        for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
                                 ("bad_words", [t for s in self.bad_words_token_ids for t in s])):
             outside = sorted({t for t in token_ids if not 0 <= t < vocab_size})
             if outside:

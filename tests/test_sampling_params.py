@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cbjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from cbjax.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -20,7 +20,21 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize("field, value, expected", [
     ("n", 0, r"n must be >= 1 \(completions per prompt\), got 0"),
     ("temperature", -0.1, r"temperature must be in \[0, inf\], got -0.1"),
-    ("temperature", float("nan"), r"temperature must be in"),
+    ("temperature", float("nan"), r"temperature must be a finite number"),
+    # Numbers the sampler's float32 columns cannot hold (10**400 is not even a float: issue 35).
+    ("temperature", float("inf"), r"temperature must be a finite number of magnitude at most 3.403e\+38, got inf"),
+    ("temperature", 1e39, r"temperature must be a finite number"),
+    ("temperature", 10**400, r"temperature must be a finite number.*got 1000000000"),
+    ("repetition_penalty", float("inf"), r"repetition_penalty must be a finite number"),
+    ("top_p", 10**400, r"top_p must be a finite number"),
+    ("min_p", float("-inf"), r"min_p must be a finite number"),
+    ("presence_penalty", -10**400, r"presence_penalty must be a finite number"),
+    ("logit_bias", {5: 10**400}, r"logit_bias\[5\] must be a finite number"),
+    ("logit_bias", {5: float("nan")}, r"logit_bias\[5\] must be a finite number"),
+    ("n", MAX_N + 1, rf"n must be at most {MAX_N} \(completions per prompt\), got {MAX_N + 1}; send several requests"),
+    ("n", 10**6, r"n must be at most"),
+    ("seed", 2**63, r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
+    ("seed", -(2**63) - 1, r"seed must be in"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
     ("top_k", -2, r"top_k must be -1 or 0 \(off\) or >= 1, got -2"),
@@ -37,7 +51,9 @@ def test_defaults_match_vllm():
     ("min_tokens", 17, r"min_tokens must be <= max_tokens \(16\), got 17"),
     ("stop", "", r"stop must be a non-empty string"),
     ("stop", ["ok", 3], r"stop must be a non-empty string"),
-    ("stop_token_ids", [2, -1], r"stop_token_ids must be ints >= 0"),
+    ("stop_token_ids", [2, -1], r"token ids of stop_token_ids must be >= 0, got -1"),
+    ("stop_token_ids", [2, 3.0], r"a token id of stop_token_ids must be an int, got 3.0"),
+    ("stop_token_ids", "7", r"stop_token_ids must be a list of token ids"),
     ("logprobs", MAX_LOGPROBS + 1, rf"logprobs must be in \[0, {MAX_LOGPROBS}\].*got {MAX_LOGPROBS + 1}"),
     ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
 ])
@@ -51,6 +67,19 @@ def test_edge_values_are_accepted():
                    frequency_penalty=2.0, repetition_penalty=0.01, max_tokens=1, min_tokens=1,
                    logprobs=MAX_LOGPROBS)
     SamplingParams(max_tokens=None, min_tokens=10_000)
+
+
+def test_seed_leaves_room_for_each_completion():
+    """Completion i samples from seed + i (vLLM's rule): the last one's seed is a 64-bit int too."""
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=2**63 - 4, n=4, temperature=1.0)
+    with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 9223372036854775804\]"):
+        SamplingParams(seed=2**63 - 3, n=4, temperature=1.0)
+
+
+def test_top_k_beyond_any_vocabulary_is_accepted_as_vllm_does():
+    """vLLM clamps top_k to the vocabulary: a top_k of any size is valid (the sampler clamps it)."""
+    assert SamplingParams(top_k=10**300, temperature=1.0).top_k == 10**300
 
 
 def test_top_k_minus_one_means_off():

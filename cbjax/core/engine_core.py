@@ -17,6 +17,7 @@ from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.kv.prefix_cache import computes_whole_prompt
 from cbjax.core.outputs import NOTHING_READ, EngineCoreStep, PromptLogprobsChunk, SampledTokens
 from cbjax.core.request import Request, RequestStatus
+from cbjax.core.request_checks import RequestLimits, check_request
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.core.sched.scheduler import Scheduler
 
@@ -55,6 +56,9 @@ class EngineCore:
             max_num_prefills=config.max_num_prefills,
             scheduling_policy=config.scheduling_policy,
         )
+        # What each request is checked against; a front end in another process gets them too.
+        self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
+                                    runner.max_suppressed_ids, config.scheduling_policy)
         self.num_steps = 0
         self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet
         self.last_step_num_tokens = 0  # tokens the latest step computed (prompt chunks + decodes)
@@ -63,42 +67,7 @@ class EngineCore:
 
     def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int) -> None:
         """Raise ValueError, saying what to change, for a request this engine cannot serve."""
-        self.scheduler.check_priority(priority)
-        max_model_len, vocab = self.config.max_model_len, self.model_config.vocab_size
-        num_prompt = len(prompt_token_ids)
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); "
-                "use ids from this model's tokenizer"
-            )
-        if num_prompt >= max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens; max_model_len is {max_model_len} "
-                "(prompt plus at least one output token); raise max_model_len or shorten the prompt"
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens and max_tokens={params.max_tokens}, "
-                f"{num_prompt + params.max_tokens} in all; max_model_len is {max_model_len}; "
-                "lower max_tokens, shorten the prompt or raise max_model_len"
-            )
-        suppressed = len(params.stop_token_ids) + (0 if params.ignore_eos else len(eos_token_ids))
-        if params.min_tokens > 0 and suppressed > self.runner.max_suppressed_ids:
-            raise ValueError(
-                f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
-                f"at most {self.runner.max_suppressed_ids} are supported; pass fewer stop_token_ids or min_tokens=0"
-            )
-        params.check_token_ids(vocab)  # logit_bias, allowed_token_ids, bad_words
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name}={value} exceeds max_logprobs={self.config.max_logprobs}; "
-                    "ask for fewer or raise max_logprobs"
-                )
+        check_request(self.limits, prompt_token_ids, params, eos_token_ids, priority)
 
     def add_requests(self, completions: Sequence[Request]) -> None:
         """Queue the completions of one prompt (n > 1: several; see parallel_sampling.py), checked

@@ -118,7 +118,7 @@ def run_engine_core(conn: Connection, build: Callable[..., EngineCore], build_ar
         except Exception:  # noqa: BLE001 (an exception that cannot be pickled)
             conn.send(("dead", f"the engine core failed to start: {error!r}"))
         return
-    conn.send(("ready", core.config, core.model_config, core.get_stats()))
+    conn.send(("ready", core.config, core.model_config, core.get_stats(), core.limits))
     freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
     try:
         _serve(conn, EngineCoreProc(core))

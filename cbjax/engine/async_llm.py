@@ -14,10 +14,12 @@ from typing import Any
 
 from cbjax.config import EngineConfig
 from cbjax.core.engine_core_proc import build_engine_core
+from cbjax.core.request_checks import check_request
 from cbjax.engine.core_client import LoopQueueSink, StatLogger, ThreadCoreClient
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine, Prompt
 from cbjax.engine.process_client import ProcessCoreClient
+from cbjax.engine.request_book import tokenize_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -45,6 +47,7 @@ class AsyncLLM:
             return
         core = ProcessCoreClient(build_engine_core, ({"model": model, **options}, progress), stat_loggers)
         self.engine_config, self.tokenizer, self.model_config = core.engine_config, core.tokenizer, core.model_config
+        self.request_limits, self.eos_token_ids = core.request_limits, core.frontend.eos_token_ids
         self.core = core
         core.start()
 
@@ -59,11 +62,19 @@ class AsyncLLM:
         self.engine_config = engine.config
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_config = engine.model_config
+        self.request_limits, self.eos_token_ids = engine.core.limits, engine.eos_token_ids
         self.core = ThreadCoreClient(engine, [make(self.engine_config) for make in stat_loggers])
         self.core.start()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def check_request(self, prompt: Prompt, sampling_params: SamplingParams, priority: int = 0) -> None:
+        """Raise ValueError, saying what to change, for a request `generate` would reject: the same
+        checks, here and now (a server answers 400 before it opens a stream). It tokenizes the
+        prompt as `generate` does."""
+        _, token_ids = tokenize_request(self.tokenizer, prompt, sampling_params)
+        check_request(self.request_limits, token_ids, sampling_params, self.eos_token_ids, priority)
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0

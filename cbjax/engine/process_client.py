@@ -30,6 +30,7 @@ from typing import Any
 
 from cbjax.core.engine_core_proc import run_engine_core
 from cbjax.core.protocol import StepProgress
+from cbjax.core.request_checks import check_request
 from cbjax.engine.core_client import OutputSink, StatLogger, deliver, deliver_all
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.frontend import Frontend
@@ -67,7 +68,7 @@ class ProcessCoreClient:
         if ready[0] != "ready":
             self.process.join(10)
             raise EngineDeadError(ready[1])
-        _, self.engine_config, self.model_config, self.stats = ready
+        _, self.engine_config, self.model_config, self.stats, self.request_limits = ready
         self.tokenizer = Tokenizer.from_dir(self.engine_config.tokenizer or self.engine_config.model)
         self.frontend = Frontend(self.tokenizer, eos_token_ids(self.tokenizer, self.model_config), self._send_stop)
         self.stat_loggers = [make(self.engine_config) for make in stat_loggers]
@@ -108,6 +109,7 @@ class ProcessCoreClient:
                 text, token_ids = tokenize_request(self.tokenizer, prompt, params)
                 with self._lock:
                     if self.error is not None:
+                check_request(self.request_limits, token_ids, params, self.frontend.eos_token_ids, priority)
                         raise self.error
                     parent = self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
                     self.sinks[request_id] = sink

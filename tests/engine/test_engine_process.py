@@ -258,6 +258,26 @@ def test_a_priority_reaches_the_core_through_either_client(client, request):
     wait_idle(llm)
 
 
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_check_request_raises_in_the_caller_what_generate_would(client, request):
+    """AsyncLLM.check_request (issue 35): the core's checks, run at once in the caller with the limits
+    the core sent, so a server answers 400 before it opens a stream, in either core mode."""
+    llm = request.getfixturevalue(client)
+    good = SamplingParams(temperature=0.0, max_tokens=4)
+    llm.check_request({"prompt_token_ids": PROMPT}, good)
+    llm.check_request("a text prompt", good)
+    prompt = {"prompt_token_ids": PROMPT}
+    for bad_prompt, params, priority, why in [
+        ({"prompt_token_ids": [1, 10_000]}, good, 0, "prompt token id 10000 is outside the vocabulary"),
+        (prompt, SamplingParams(max_tokens=500), 0, "max_model_len is 128"),
+        (prompt, SamplingParams(stop_token_ids=[8589934592]), 0, r"\[8589934592\] in stop_token_ids are outside"),
+        (prompt, good, -3, "priority=-3 is only allowed with scheduling_policy='priority'"),
+        (prompt, good, 2**70, "priority=1180591620717411303424 is only allowed"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            llm.check_request(bad_prompt, params, priority)
+
+
 async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
 

@@ -61,12 +61,13 @@ class RequestQueue(ABC):
     def __bool__(self) -> bool:
         return len(self) > 0
 
-    def check_priority(self, priority: int) -> None:
+    @classmethod  # a rule of the policy, asked before any queue exists (core/request_checks.py)
+    def check_priority(cls, priority: int) -> None:
         """Refuse a priority this policy would ignore (vLLM's rule: only the priority policy takes one)."""
         if priority != 0:
             raise ValueError(
                 f"priority={priority} is only allowed with scheduling_policy='priority'; this engine's is "
-                f"{self.name!r}; start it with scheduling_policy='priority' (--scheduling-policy priority) "
+                f"{cls.name!r}; start it with scheduling_policy='priority' (--scheduling-policy priority) "
                 "or leave priority at 0"
             )
 
@@ -135,7 +136,8 @@ class PriorityQueue(RequestQueue):
         # After its equals: among requests of one key, the latest admitted is preempted first.
         bisect.insort_right(running, request, key=priority_key)
 
-    def check_priority(self, priority: int) -> None:
+    @classmethod
+    def check_priority(cls, priority: int) -> None:
         pass  # every int orders requests here
 
     def __len__(self) -> int:

@@ -91,7 +91,9 @@ def apply_top_k_top_p(scaled: Float[Array, "S V"], t) -> Float[Array, "S V"]:
 STAGE = Stage(
     "top_k_top_p",
     (
-        Column("top_k", np.int32, 0, lambda row: row.params.top_k),  # 0 = off
+        # 0 = off. A top_k at or beyond the vocabulary keeps every token (vLLM clamps it to the
+        # vocabulary); any larger value means the same, so it is clamped to what int32 holds.
+        Column("top_k", np.int32, 0, lambda row: min(row.params.top_k, np.iinfo(np.int32).max)),
         Column("top_p", np.float32, 1.0, lambda row: row.params.top_p),  # 1 = off
     ),
     apply=apply_top_k_top_p,
