@@ -107,9 +107,9 @@ class ProcessCoreClient:
             arrival_time = time.monotonic()
             try:
                 text, token_ids = tokenize_request(self.tokenizer, prompt, params)
+                check_request(self.request_limits, token_ids, params, self.frontend.eos_token_ids, priority)
                 with self._lock:
                     if self.error is not None:
-                check_request(self.request_limits, token_ids, params, self.frontend.eos_token_ids, priority)
                         raise self.error
                     parent = self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
                     self.sinks[request_id] = sink
