@@ -52,6 +52,10 @@ class Frontend:
                 child.status = RequestStatus.FINISHED_ABORTED
             self.book.finish(parent)  # (its output is dropped: the caller gets the core's ValueError)
 
+    def child_ids(self, request_id: str) -> list[str]:
+        """The core's ids of what an abort of `request_id` ends (RequestBook.children_of)."""
+        return [child.request_id for child in self.book.children_of(request_id)]
+
     def _mirror(self, child_id: str) -> Request | None:
         parent = self.book.parents.get(child_id)
         if parent is None:

@@ -75,8 +75,9 @@ class LLMEngine:
         self.core.add_requests(parent.children)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request (safe from any thread); its output so far comes back from the next step()
-        with reason "abort". Unknown or finished ids are ignored."""
+        """Stop a request, or one child of an n > 1 request by its child id (safe from any thread);
+        its output so far comes back from the next step() with reason "abort". Unknown or finished
+        ids are ignored."""
         self.pending_aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -95,14 +96,17 @@ class LLMEngine:
         return outputs
 
     def _apply_aborts(self) -> list[ParentRequest]:
-        aborted = []
+        """Abort the requests (or single children) named since the last step: the parents this
+        finished, each once however often it was named (a parent whose other children still run
+        gives its final output when they finish)."""
+        finished: dict[str, ParentRequest] = {}
         while self.pending_aborts:
-            parent = self.book.requests.get(self.pending_aborts.popleft())
-            if parent is not None:
-                for child in parent.children:
-                    self.core.abort_request(child.request_id)
-                aborted.append(parent)
-        return aborted
+            for child in self.book.children_of(self.pending_aborts.popleft()):
+                self.core.abort_request(child.request_id)
+                parent = self.book.parents[child.request_id]
+                if parent.finished:
+                    finished[parent.request_id] = parent
+        return list(finished.values())
 
     def _record(self, step: EngineCoreStep) -> list[RequestOutput]:
         """A core step's outputs (RequestBook.progressed says which requests have one)."""

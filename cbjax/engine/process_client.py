@@ -122,8 +122,7 @@ class ProcessCoreClient:
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:  # the core knows the children (a request unknown here is finished, or stopping)
-            parent = self.frontend.book.requests.get(request_id)
-            child_ids = [] if parent is None else [child.request_id for child in parent.children]
+            child_ids = self.frontend.child_ids(request_id)
         if child_ids:
             self._send(("abort", child_ids))
 
