@@ -5,19 +5,22 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.chat import conversation, create_chat_completion
 from cbjax.entrypoints.openai.completions import create_completion
-from cbjax.entrypoints.openai.errors import add_error_handlers, error_response
+from cbjax.entrypoints.openai.errors import ERROR_TYPES, add_error_handlers, error_response
 from cbjax.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from cbjax.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -34,15 +37,21 @@ def cbjax_version() -> str:
         return "unknown"
 
 
+# A streamed answer (stream=true) is server-sent events of the response's chunks.
+EVENT_STREAM = {200: {"content": {"text/event-stream": {}}}}
+
+
 def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | None, max_request_bytes: int) -> FastAPI:
-    app = FastAPI(title="cbjax", version=cbjax_version())
+    # Every route may answer OpenAI's error body; the fuzz test holds responses to this schema.
+    app = FastAPI(title="cbjax", version=cbjax_version(),
+                  responses={status: {"model": ErrorResponse} for status in ERROR_TYPES})
     add_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=EVENT_STREAM)
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         return await create_completion(state, body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=EVENT_STREAM)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
 
@@ -52,7 +61,7 @@ def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | No
                          max_model_len=state.max_model_len)
         return ModelList(data=[card])
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"content": None}})
     async def health() -> Response:
         try:
             state.engine.check_health()
@@ -60,7 +69,7 @@ def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | No
             return error_response(503, str(error))
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
