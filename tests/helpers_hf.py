@@ -23,6 +23,8 @@ ARCHITECTURES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 
 TINY_DEFAULTS = dict(
@@ -45,6 +47,10 @@ ARCH_DEFAULTS = {
     "qwen2": {},
     "qwen3": dict(head_dim=32),  # head_dim != hidden_size / num_attention_heads (16)
     "olmo2": dict(pad_token_id=0),  # its default pad id 1 is the tiny models' bos
+    # 8 experts, top 2 (routing matters); layer 1 dense (mlp_only_layers), 96 wide beside the experts' 32.
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
 }
 
 

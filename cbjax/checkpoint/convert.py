@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cbjax.checkpoint.layout import PARAMS_DIR
-from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params
+from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params, stack_experts
 from cbjax.checkpoint.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from cbjax.models.config import SUPPORTED_DTYPES, ModelConfig
 
@@ -49,7 +49,8 @@ def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: b
     hf_tensors = tqdm(iter_tensors(files), total=count_tensors(files), desc=f"reading {hf_dir.name}",
                       unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
-    for name, array in convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype)):
+    pieces = convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype))
+    for name, array in stack_experts(pieces, config.num_experts, str(hf_dir)):
         if name in params:
             raise ValueError(f"tensor {name} appears twice in {hf_dir}; the safetensors shards overlap")
         params[name] = array

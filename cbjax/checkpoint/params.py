@@ -62,15 +62,24 @@ def expected_params(
     return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
 
 
-def hf_to_param(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray] | None:
-    """Map one HF tensor to (our name, our layout); None for tensors the model does not load.
-    The name is the registry entry's; a linear's kernel is transposed (nn.Linear [out, in] -> nnx [in, out])."""
-    name = architecture(config.architecture).param_name(hf_name, tensor.ndim, config.tie_word_embeddings)
-    if name is None:
-        return None
-    if name.endswith(".kernel"):
-        return name, np.ascontiguousarray(tensor.T)
-    return name, tensor
+def hf_to_params(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> list[tuple[str, np.ndarray, int | None]]:
+    """Map one HF tensor to [(our name, our layout, its expert's index in a stacked kernel or None)]; empty
+    for tensors the model does not load. The name is the registry entry's; a linear's kernel is transposed
+    (nn.Linear [out, in] -> nnx [in, out]), and all experts' fused gate_up_proj [E, 2 x inner, hidden]
+    (transformers 5's in-memory layout) becomes the stacked gate_proj and up_proj [E, hidden, inner]."""
+    slot = architecture(config.architecture).param_slot(hf_name, tensor.ndim, config.tie_word_embeddings)
+    if slot is None:
+        return []
+    name, expert = slot
+    if not name.endswith(".kernel"):
+        return [(name, tensor, expert)]
+    kernel = np.ascontiguousarray(np.swapaxes(tensor, -1, -2))
+    if name.endswith(".experts.gate_up_proj.kernel"):
+        experts = name.removesuffix(".gate_up_proj.kernel")
+        gate, up = np.split(kernel, 2, axis=-1)
+        return [(f"{experts}.gate_proj.kernel", np.ascontiguousarray(gate), None),
+                (f"{experts}.up_proj.kernel", np.ascontiguousarray(up), None)]
+    return [(name, kernel, expert)]
 
 
 def cast_param(name: str, tensor: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
@@ -104,13 +113,37 @@ def check_params(
 
 def convert_hf_tensors(
     hf_tensors: Iterable[tuple[str, np.ndarray]], config: ModelConfig, dtype: jnp.dtype
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Stream HF tensors to (name, array) in our layout and dtype, one at a time."""
+) -> Iterator[tuple[str, np.ndarray, int | None]]:
+    """Stream HF tensors to (name, array, expert index or None) in our layout and dtype, one at a time."""
     for hf_name, tensor in hf_tensors:
-        mapped = hf_to_param(hf_name, tensor, config)
-        if mapped is not None:
-            name, array = mapped
-            yield name, cast_param(name, array, dtype)
+        for name, array, expert in hf_to_params(hf_name, tensor, config):
+            yield name, cast_param(name, array, dtype), expert
+
+
+def stack_experts(
+    pieces: Iterable[tuple[str, np.ndarray, int | None]], num_experts: int, source: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every parameter: each expert's projection (index not None) written into its
+    stacked kernel [num_experts, in, out], yielded once every expert is in; the rest as they come.
+    Memory stays one model copy: a stacked kernel is allocated once and filled in place."""
+    stacks: dict[str, tuple[np.ndarray, set[int]]] = {}
+    for name, array, expert in pieces:
+        if expert is None:
+            yield name, array
+            continue
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"{source}: tensor {name} of expert {expert}; the config has num_experts={num_experts}")
+        stacked, filled = stacks.setdefault(name, (np.empty((num_experts, *array.shape), array.dtype), set()))
+        if stacked.shape[1:] != array.shape or expert in filled:
+            raise ValueError(f"{source}: expert {expert}'s {name} has shape {array.shape}, or appears twice; "
+                             f"the other experts' are {stacked.shape[1:]}")
+        stacked[expert] = array
+        filled.add(expert)
+        if len(filled) == num_experts:
+            yield name, stacks.pop(name)[0]
+    for name, (_, filled) in stacks.items():
+        missing = sorted(set(range(num_experts)) - filled)
+        raise ValueError(f"{source}: tensor {name} lacks experts {missing} of num_experts={num_experts}")
 
 
 def nest_params(flat: dict[str, object]) -> dict:

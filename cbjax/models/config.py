@@ -49,6 +49,12 @@ class ModelConfig:
     dtype: str  # the checkpoint's own dtype, one of SUPPORTED_DTYPES
     bos_token_id: int | None
     eos_token_id: tuple[int, ...]
+    # Mixture-of-experts (Qwen3-MoE, Mixtral); num_experts=0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the rest: intermediate_size, dense)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in flax.nnx, written for the paged engine;
-its layers are the ones other families (cbjax.models.olmo2) compose.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and with experts in their MLPs Qwen3-MoE and
+Mixtral) in flax.nnx, written for the paged engine; its layers are the ones other families
+(cbjax.models.olmo2) compose.
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), so the
 checkpoint mapping is one rule per parameter kind. Linear kernels are [in, out] (HF's transposed),
@@ -27,6 +28,7 @@ from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
 from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.linear import linear
+from cbjax.models.layers.moe import SparseMoeBlock
 from cbjax.models.layers.norm import RMSNorm
 from cbjax.models.layers.rope import apply_rope, rope_inv_freq
 from kernels_pallas.reference import AttentionMetadata
@@ -112,13 +114,21 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up, plan)
 
 
+def feed_forward(config: ModelConfig, layer_index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 activation_dtype: jnp.dtype | None, fused: bool) -> MLP | SparseMoeBlock:
+    """Layer `layer_index`'s MLP: the router and experts where the config makes the layer sparse, else dense."""
+    if layer_index in config.sparse_layers:
+        return SparseMoeBlock(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype)
+    return MLP(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
-                 fused: bool = False):
+                 fused: bool = False, layer_index: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
+        self.mlp = feed_forward(config, layer_index, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
 
     def __call__(
         self,
@@ -150,8 +160,8 @@ class LlamaModel(nnx.Module):
                  fused: bool = False, decoder_layer: type[nnx.Module] = DecoderLayer):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            decoder_layer(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
-            for _ in range(config.num_hidden_layers)
+            decoder_layer(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused, layer_index=index)
+            for index in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

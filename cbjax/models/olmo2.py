@@ -19,7 +19,7 @@ from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.norm import RMSNorm
-from cbjax.models.llama import MLP, Attention, LlamaForCausalLM
+from cbjax.models.llama import Attention, LlamaForCausalLM, feed_forward
 from kernels_pallas.reference import AttentionMetadata
 
 
@@ -46,9 +46,9 @@ class Olmo2Attention(Attention):
 
 class Olmo2DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
-                 fused: bool = False):
+                 fused: bool = False, layer_index: int = 0):
         self.self_attn = Olmo2Attention(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
+        self.mlp = feed_forward(config, layer_index, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
         self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

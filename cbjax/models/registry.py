@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 
 # Buffers some checkpoints carry that are recomputed from the config, never loaded.
 RECOMPUTED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in an HF checkpoint (`mlp.experts.3.gate_proj.weight`): the model holds
+# each projection of all experts as one kernel [num_experts, in, out], this tensor at index 3.
+EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,31 +97,42 @@ class Architecture:
     name: str  # Hugging Face `architectures[0]`
     model_type: str  # Hugging Face `model_type` (config.json files without "architectures" still name it)
     model_class: str  # "module:Class", imported when a model is built
-    # The family's own ModelConfig fields, read from config.json (attention_bias, attention_out_bias, mlp_bias, qk_norm).
-    config_fields: Callable[[dict[str, Any]], dict[str, bool]]
+    # The family's own ModelConfig fields, read from config.json (attention_bias, attention_out_bias, mlp_bias,
+    # qk_norm, and the mixture-of-experts fields).
+    config_fields: Callable[[dict[str, Any]], dict[str, Any]]
     # Whether a config's sliding window (shorter than max_position_embeddings) applies to some layer,
     # for configs without 4.x/5.x `layer_types`.
     sliding_window_in_use: Callable[[dict[str, Any]], bool] = _never
     tensor_parallel: TensorParallelPlan = TensorParallelPlan()
     kv_cache: Callable[[ModelConfig], KVCacheSpec] = every_layer_full_attention
     gguf: GGUFNames | None = None  # None: `cbjax import-gguf` does not take the family
+    # HF module names the model calls by the names other families use (Mixtral's block_sparse_moe.w1 is
+    # mlp.gate_proj), so one model class and one tensor-parallel plan serve both.
+    hf_module_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def load_class(self) -> type:
         module, _, cls = self.model_class.partition(":")
         return getattr(importlib.import_module(module), cls)
 
-    def param_name(self, hf_name: str, ndim: int, tie_word_embeddings: bool) -> str | None:
-        """Our parameter name for an HF tensor, or None for tensors the model does not load. Module
-        names mirror HF's, so the rule is one per parameter kind: nn.Linear's 2-D weight is nnx's kernel."""
+    def param_slot(self, hf_name: str, ndim: int, tie_word_embeddings: bool) -> tuple[str, int | None] | None:
+        """Our parameter name for an HF tensor and, for one expert's projection, its index in the stacked
+        kernel (else None); None for tensors the model does not load. Module names mirror HF's (after
+        hf_module_names), so the rule is one per parameter kind: nn.Linear's 2-D weight is nnx's kernel."""
         if hf_name.endswith(RECOMPUTED_HF_SUFFIXES):
             return None
         if hf_name == "lm_head.weight" and tie_word_embeddings:
             return None  # some tied checkpoints still store the head; it equals the embedding
         if hf_name == "model.embed_tokens.weight":
-            return "model.embed_tokens.embedding"
+            return "model.embed_tokens.embedding", None
+        hf_name = ".".join(self.hf_module_names.get(part, part) for part in hf_name.split("."))
+        expert = EXPERT_WEIGHT.fullmatch(hf_name)
+        if expert and ndim == 2:
+            return f"{expert['experts']}.{expert['projection']}.kernel", int(expert["index"])
+        if ndim == 3 and hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return hf_name + ".kernel", None  # transformers 5's in-memory layout: all experts in one tensor
         if hf_name.endswith(".weight") and ndim == 2:
-            return hf_name.removesuffix(".weight") + ".kernel"
-        return hf_name
+            return hf_name.removesuffix(".weight") + ".kernel", None
+        return hf_name, None
 
 
 def _llama_fields(hf: dict[str, Any]) -> dict[str, bool]:
@@ -139,6 +154,25 @@ def _qwen3_fields(hf: dict[str, Any]) -> dict[str, bool]:
 def _olmo2_fields(hf: dict[str, Any]) -> dict[str, bool]:
     """No MLP biases; its q/k norms (over the whole projection) are the model file's, not `qk_norm`'s per-head ones."""
     return {**_llama_fields(hf), "mlp_bias": False}
+
+
+def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3's attention; experts in every `decoder_sparse_step`-th layer except `mlp_only_layers` (dense,
+    intermediate_size wide), as transformers' Qwen3MoeDecoderLayer picks them."""
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # transformers 5 writes the latter
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(layer for layer in range(hf["num_hidden_layers"])
+                   if num_experts and layer not in dense and (layer + 1) % step == 0)
+    return {**_qwen3_fields(hf), "num_experts": num_experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"], "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "sparse_layers": sparse}
+
+
+def _mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's attention; experts (intermediate_size wide) in every layer, top-k weights renormalized."""
+    return {**_llama_fields(hf), "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
+            "sparse_layers": tuple(range(hf["num_hidden_layers"]))}
 
 
 LLAMA_GGUF = GGUFNames(
@@ -173,6 +207,12 @@ ARCHITECTURES: dict[str, Architecture] = {entry.name: entry for entry in (
     # q/k norms span every head, so k_norm's scale repeats with its KV heads.
     Architecture("Olmo2ForCausalLM", "olmo2", "cbjax.models.olmo2:Olmo2ForCausalLM", _olmo2_fields,
                  tensor_parallel=TensorParallelPlan(kv_head_columns=("k_proj", "v_proj", "k_norm"))),
+    # Mixture-of-experts: Llama's layers whose MLP is a router and stacked experts (models/layers/moe.py).
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "cbjax.models.llama:LlamaForCausalLM", _qwen3_moe_fields,
+                 sliding_window_in_use=_uses_sliding_window_when_enabled),
+    Architecture("MixtralForCausalLM", "mixtral", "cbjax.models.llama:LlamaForCausalLM", _mixtral_fields,
+                 sliding_window_in_use=lambda hf: True,
+                 hf_module_names={"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 )}
 
 
