@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
+from cbjax.core.kv.prefix_cache import check_hash_algo
 from cbjax.core.sched.policy import check_scheduling_policy
 
 
@@ -47,6 +48,10 @@ class EngineConfig:
     # machine), a folder, or None = off (as is CBJAX_DISABLE_COMPILE_CACHE=1).
     compilation_cache_dir: str | None = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM V1's default)
+    # The prefix cache's block hash (vLLM's option): "sha256", collision-resistant, so no prompt can be built to
+    # read another request's cached KV; or "builtin", Python's 64-bit hash: less host time per step, for one
+    # tenant only (BENCHMARKS.md, "Prefix-cache block hash").
+    prefix_caching_hash_algo: str = "sha256"
     # Schedule and launch step N+1 before reading step N's tokens (vLLM's async_scheduling): the
     # host's work of a step overlaps the device's. False: one step at a time. None ("auto",
     # `cbjax serve`'s default): on an accelerator always, on a CPU only while every seat is taken
@@ -83,6 +88,7 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
             )
         check_scheduling_policy(self.scheduling_policy)
+        check_hash_algo(self.prefix_caching_hash_algo)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

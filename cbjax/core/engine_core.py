@@ -46,7 +46,8 @@ class EngineCore:
         self.runner = runner
         self.model_config = model_config
         self.platform = platform
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                                          hash_algo=config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -63,7 +63,7 @@ class Request:
     # Its leading blocks the block manager has registered in the prefix cache (0 when it holds none).
     num_registered_blocks: int = field(init=False, default=0)
     # Chained hashes of the full blocks of all_token_ids (prefix caching), grown as tokens arrive.
-    block_hashes: list[int] = field(init=False, default_factory=list)
+    block_hashes: list[bytes | int] = field(init=False, default_factory=list)  # (prefix_cache.BlockHash)
     # Set by the scheduler when the request is added: the token count at which it stops for
     # length (max_model_len, or prompt plus max_tokens), and the ids that may stop it when
     # sampled (eos unless ignore_eos, stop_token_ids): asked of every request every step.

@@ -7,15 +7,22 @@ is known without running any scheduler (the independent expectation).
 """
 
 import argparse
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pytest
+
+from cbjax.config import EngineConfig
+from cbjax.core.engine_core import EngineCore
+from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.entrypoints.cli.args import add_engine_args, engine_options
 from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.core.sched.scheduler import Scheduler
+from test_engine_core import StandInRunner
 from test_scheduler import Params
 
 
@@ -123,6 +130,43 @@ def test_reset_prefix_cache_waits_for_an_idle_pool():
     assert manager.reset_prefix_cache()
     assert manager.get_computed_blocks(make_request("b", list(range(9)))) == []
     manager.check_invariants([])
+
+
+def test_blocks_whose_python_hashes_collide_never_share_kv():
+    """Issue 35 (vLLM's CVE-2025-25183): Python hashes an int modulo 2**61 - 1, so the blocks below
+    have one 64-bit `hash` and the old hash served the victim's KV to the other prompt; sha256,
+    the default, tells them apart."""
+    victim, collider = [0, 1, 2, 3], [2**61 - 1, 1, 2, 3]
+    assert hash(tuple(victim)) == hash(tuple(collider))
+    for algo, shared in [("sha256", False), ("builtin", True)]:  # builtin: the attack is real
+        manager = BlockManager(num_blocks=8, block_size=4, enable_caching=True, hash_algo=algo)
+        compute(manager, make_request("victim", victim + [9]))
+        assert bool(manager.get_computed_blocks(make_request("collider", collider + [9]))) is shared, algo
+        assert len(manager.get_computed_blocks(make_request("same", victim + [8]))) == 1, algo
+
+
+def test_the_default_block_hash_is_sha256_from_a_root_drawn_per_engine(monkeypatch):
+    """vLLM's default and its seeding: a random root per engine start, one derived from
+    PYTHONHASHSEED where that is set (engines with one seed then hash alike)."""
+    assert EngineConfig(model="m").prefix_caching_hash_algo == "sha256"
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    first, second = BlockManager(8, 4, enable_caching=True), BlockManager(8, 4, enable_caching=True)
+    hashes = [m.hasher.extend(make_request("a", list(range(9))), 4) for m in (first, second)]
+    assert all(len(h) == 2 and all(isinstance(b, bytes) and len(b) == 32 for b in h) for h in hashes)
+    assert hashes[0] != hashes[1]
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    seeded = [BlockManager(8, 4, enable_caching=True).hasher.extend(make_request("a", list(range(9))), 4) for _ in range(2)]
+    assert seeded[0] == seeded[1] != hashes[0]
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo='md5' is not one of 'sha256', 'builtin'"):
+        EngineConfig(model="m", prefix_caching_hash_algo="md5")
+
+
+def test_the_hash_option_reaches_the_engine_cores_pool():
+    for algo in HASH_ALGOS:
+        config = EngineConfig(model="stand-in", max_model_len=64, block_size=4, prefix_caching_hash_algo=algo)
+        config.resolve(max_position_embeddings=64)
+        core = EngineCore(config, StandInRunner(), SimpleNamespace(vocab_size=100), platform="cpu")
+        assert core.block_manager.hasher.algo == algo
 
 
 def test_scheduler_starts_a_cached_prompt_after_its_hit_and_counts_it_like_vllm():
@@ -273,3 +317,5 @@ def test_prefix_caching_flags_follow_vllm():
     add_engine_args(parser)
     for flags, expected in [([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)]:
         assert engine_options(parser.parse_args(["--model", "m", *flags]))["enable_prefix_caching"] is expected
+    for flags, expected in [([], "sha256"), (["--prefix-caching-hash-algo", "builtin"], "builtin")]:
+        assert engine_options(parser.parse_args(["--model", "m", *flags]))["prefix_caching_hash_algo"] == expected

@@ -11,7 +11,7 @@ in the queue, so a block in use is never evicted or overwritten.
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from cbjax.core.kv.prefix_cache import computes_whole_prompt, extend_block_hashes
+from cbjax.core.kv.prefix_cache import BlockHash, BlockHasher, computes_whole_prompt
 from cbjax.core.request import Request
 
 NULL_BLOCK_ID = 0  # padded block-table entries point here; never handed to a request
@@ -23,7 +23,7 @@ class BlockManager:
     A block is shared (reference count > 1) when several requests found it in the prefix cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, hash_algo: str = "sha256"):
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks is {num_blocks}; block {NULL_BLOCK_ID} is the null block, "
@@ -34,10 +34,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hasher = BlockHasher(hash_algo)
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))  # evicted from the front
-        self.block_hashes: list[int | None] = [None] * num_blocks  # the hash a block is cached under
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks  # the hash a block is cached under
+        self.cached_blocks: dict[BlockHash, int] = {}  # block hash -> block id
         self.prefix_cache_queries = 0  # tokens of admitted requests that looked up the cache (vLLM counts so)
         self.prefix_cache_hits = 0  # of which found cached
 
@@ -65,7 +66,7 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is computed for its logits
         computed = []
-        for block_hash in extend_block_hashes(request, self.block_size)[:max_blocks]:
+        for block_hash in self.hasher.extend(request, self.block_size)[:max_blocks]:
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
@@ -80,7 +81,7 @@ class BlockManager:
         start = request.num_registered_blocks
         if num_full <= start:
             return
-        hashes = extend_block_hashes(request, self.block_size)
+        hashes = self.hasher.extend(request, self.block_size)
         for index in range(start, num_full):
             block_id, block_hash = request.block_ids[index], hashes[index]
             # Equal content computed twice at once: the first block registered stays the cached one.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
 
 
@@ -57,6 +58,11 @@ def add_engine_args(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching to turn off)",
     )
+    parser.add_argument(
+        "--prefix-caching-hash-algo", default="sha256", choices=list(HASH_ALGOS),
+        help="the prefix cache's block hash: sha256 (collision-resistant) or builtin (Python's hash: faster, "
+             "but a crafted prompt can collide with another's cached prefix; one tenant only)",
+    )
     if variants:
         parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                             help="one or both (both: side by side in one engine, interleaved)")
@@ -88,7 +94,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
-        "enable_prefix_caching async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
+        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}
 
