@@ -64,12 +64,15 @@ class Tokenizer:
         return cls(backend, special_tokens, eos_token_ids, _chat_template(path, config), source=str(path))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids with the model's own BOS/EOS behaviour, like `AutoTokenizer(...)(text)["input_ids"]`."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+        """Token ids with the model's own BOS/EOS behaviour, like `AutoTokenizer(...)(text)["input_ids"]`.
+
+        encode_batch, unlike encode, lets go of the GIL while it works: a server tokenizing a long
+        prompt in a thread keeps streaming meanwhile."""
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
 
     def encode_chat(self, rendered_chat: str) -> list[int]:
         """Ids of a rendered chat: the template already wrote any BOS, so none is added (as transformers does)."""
-        return self.backend.encode(rendered_chat, add_special_tokens=False).ids
+        return self.backend.encode_batch([rendered_chat], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

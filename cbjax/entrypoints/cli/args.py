@@ -106,7 +106,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="demand 'Authorization: Bearer KEY' on /v1/* (default $CBJAX_API_KEY)")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="answer 503 + Retry-After once this many requests wait (default: no limit)")
+                        help="answer 503 + Retry-After once this many completions (prompts x n) are queued, "
+                             "counting those sent to the engine core that it has not started (default: no limit)")
+    parser.add_argument("--max-completions-per-request", type=int, default=128,
+                        help="400 for a request asking for more completions (prompts x n) than this (default: 128, "
+                             "OpenAI's largest n)")
+    parser.add_argument("--max-stop-strings", type=int, default=16,
+                        help="400 for a request with more stop strings than this (default: 16)")
     parser.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=True,
         help="run the engine core in its own process, this one tokenizing, detokenizing and answering HTTP "

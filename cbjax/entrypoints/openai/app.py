@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from cbjax.engine.exceptions import EngineDeadError
-from cbjax.entrypoints.openai.chat import conversation, create_chat_completion
+from cbjax.entrypoints.openai.chat import create_chat_completion, rendered_chat
 from cbjax.entrypoints.openai.completions import create_completion
 from cbjax.entrypoints.openai.errors import ERROR_TYPES, add_error_handlers, error_response
 from cbjax.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -26,8 +26,7 @@ from cbjax.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from cbjax.entrypoints.openai.serving import ServerState, check_model, check_prompt_token_ids
-from cbjax.entrypoints.llm import chat_prompt
+from cbjax.entrypoints.openai.serving import ServerState, check_fields, check_model, check_prompt_token_ids, off_loop
 
 
 def cbjax_version() -> str:
@@ -76,16 +75,18 @@ def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | No
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(state, body.model)
-        tokenizer = state.engine.tokenizer
+        check_fields(body)
         if body.messages is not None:
-            tokens = chat_prompt(tokenizer, conversation(body.messages), body.add_generation_prompt)["prompt_token_ids"]
+            tokens = (await off_loop(state, rendered_chat, state, body.messages,
+                                     body.add_generation_prompt))["prompt_token_ids"]
         else:
-            tokens = tokenizer.encode(body.prompt or "")
+            tokens = await off_loop(state, state.engine.tokenizer.encode, body.prompt or "")
         return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(state, body.model)
+        check_fields(body)
         check_prompt_token_ids(state, body.tokens, "tokens")
         return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
 

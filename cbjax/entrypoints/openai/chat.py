@@ -29,22 +29,34 @@ from cbjax.outputs import CompletionOutput, RequestOutput
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request: Request) -> Response:
-    serving.check_request(state, body.model)
+    serving.check_model(state, body.model)
+    serving.check_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true; set it or drop top_logprobs",
                        "top_logprobs")
-    prompt = chat_prompt(state.engine.tokenizer, conversation(body.messages), body.add_generation_prompt)
+    serving.check_fan_out(state, 1, body)
+    await serving.check_overload(state)
+    prompt = await serving.off_loop(state, rendered_chat, state, body.messages, body.add_generation_prompt)
     serving.check_prompt_token_ids(state, prompt["prompt_token_ids"], "messages")
     max_tokens = serving.check_context_length(state, len(prompt["prompt_token_ids"]),
                                       body.max_completion_tokens or body.max_tokens)
     params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    serving.check_engine_request(state, [prompt], [params], body.priority)
     request_id = random_id("chatcmpl")
-    outputs = serving.merged_outputs(state.engine, [prompt], [params], request_id, priority=body.priority)
+    outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority)
     if body.stream:
-        work = serving.first_chunk_or_error(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs))
-    else:
-        work = _collect(state, body, request_id, outputs)
+        return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs), outputs)
+    work = _collect(state, body, request_id, outputs)
     return serving.respond(await serving.cancel_on_disconnect(raw_request, work))
+
+
+def rendered_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
+    """The conversation through the model's chat template, as an engine prompt (in the tokenizer
+    thread: a long conversation takes a while); a model without a template is the client's 400."""
+    try:
+        return chat_prompt(state.engine.tokenizer, conversation(messages), add_generation_prompt)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from error
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -22,24 +22,32 @@ from cbjax.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request) -> Response:
-    serving.check_request(state, body.model)
+    serving.check_model(state, body.model)
+    serving.check_fields(body)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo=true with logprobs needs the prompt's logprobs, which this server does not "
                             "compute; drop echo or logprobs", "echo")
-    prompts = _prompts(state, body.prompt)
+    serving.check_fan_out(state, _num_prompts(body.prompt), body)
+    await serving.check_overload(state)
+    prompts = await serving.off_loop(state, _prompts, state, body.prompt)
     max_tokens = [serving.check_context_length(state, len(p["prompt_token_ids"]), body.max_tokens) for p in prompts]
     params = [serving.sampling_params(body, limit, body.logprobs) for limit in max_tokens]
+    serving.check_engine_request(state, prompts, params, body.priority)
     request_id = random_id("cmpl")
-    outputs = serving.merged_outputs(state.engine, prompts, params, request_id, priority=body.priority)
+    outputs = await serving.admit(state, prompts, params, request_id, priority=body.priority)
     if body.stream:
-        work = serving.first_chunk_or_error(_stream(state, body, request_id, prompts, outputs))
-    else:
-        work = _collect(state, body, request_id, prompts, outputs)
+        return serving.stream(_stream(state, body, request_id, prompts, outputs), outputs)
+    work = _collect(state, body, request_id, prompts, outputs)
     return serving.respond(await serving.cancel_on_disconnect(raw_request, work))
 
 
+def _num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+
+
 def _prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict[str, Any]]:
-    """Engine prompts ({"prompt", "prompt_token_ids"}), tokenized here for usage, echo and length checks."""
+    """Engine prompts ({"prompt", "prompt_token_ids"}), tokenized here for usage, echo and length
+    checks (in the tokenizer thread: a long prompt takes a while)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else prompt
         prompts = [{"prompt": text, "prompt_token_ids": state.engine.tokenizer.encode(text)} for text in texts]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http
 import logging
+import reprlib
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -16,6 +17,19 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+
+
+def short_repr(**limits: int) -> reprlib.Repr:
+    """A reprlib.Repr with these limits (maxstring, maxlist, ...; Python 3.11's constructor takes none)."""
+    short = reprlib.Repr()
+    for name, value in limits.items():
+        setattr(short, name, value)
+    return short
+
+
+MAX_REPORTED_ERRORS = 5  # a body's validation errors named in the message; the rest are counted
+# The input an error echoes, cut short: the message stays small however large the body.
+_ECHOED_INPUT = short_repr(maxstring=60, maxother=60, maxlist=4, maxdict=4, maxlevel=2)
 
 # The `type` each status gets, as OpenAI's and vLLM's servers name them.
 ERROR_TYPES = {
@@ -52,15 +66,19 @@ def error_json(status: int, message: str, param: str | None = None) -> str:
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """The first MAX_REPORTED_ERRORS problems, each echoing its input cut short, then how many more."""
     problems, param = [], None
-    for item in error.errors():
+    items = error.errors()
+    for item in items[:MAX_REPORTED_ERRORS]:
         if item.get("type") == "json_invalid":
             reason = item.get("ctx", {}).get("error", item.get("msg"))
             problems.append(f"the request body is not valid JSON ({reason}); send a JSON object")
             continue
         field = ".".join(str(part) for part in item.get("loc", ()) if part != "body") or "body"
         param = param or field
-        problems.append(f"{field}: {item.get('msg')} (got {item.get('input')!r})")
+        problems.append(f"{field}: {item.get('msg')} (got {_ECHOED_INPUT.repr(item.get('input'))})")
+    if len(items) > MAX_REPORTED_ERRORS:
+        problems.append(f"... and {len(items) - MAX_REPORTED_ERRORS} more")
     return "; ".join(problems) or "invalid request", param
 
 
@@ -73,10 +91,6 @@ def add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
         return error_response(400, message, param)
-
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, error: ValueError) -> JSONResponse:
-        return error_response(400, str(error))
 
     @app.exception_handler(jinja2.TemplateError)
     async def template_error(_: Request, error: jinja2.TemplateError) -> JSONResponse:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# A list or dict whose validation stops at its first wrong item: a body of 100k wrong items makes
+# a handful of errors, not 100k (each one built and held while the event loop waits).
+FAIL_FAST = Field(fail_fast=True)
+IntList = Annotated[list[int], FAIL_FAST]
+StrList = Annotated[list[str], FAIL_FAST]
 
 
 def random_id(prefix: str) -> str:
@@ -14,8 +20,44 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as vLLM does, so clients that send newer options still work.
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIModel):
+    """A request body. Unknown fields are kept in `model_extra`, to be logged and ignored (as vLLM
+    does, so clients that send newer options still work); fields of OpenAI's or vLLM's API that
+    cbjax does not implement are refused unless they hold the value that asks for nothing
+    (serving.check_fields)."""
+
+    model_config = ConfigDict(extra="allow")
+    unsupported_fields: ClassVar[dict[str, tuple]] = {}  # field -> the values that ask for nothing
+
+
+# Structured output, tool calling, beam search, prompt logprobs and vLLM's extension points: none
+# is implemented, so a request that asks for one is refused rather than answered without it.
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "mm_processor_kwargs": (None,),
+}
 
 
 class ErrorInfo(OpenAIModel):
@@ -33,7 +75,7 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """The sampling fields both endpoints take (vLLM's extra ones included)."""
 
     model: str | None = None
@@ -46,8 +88,8 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | StrList | None = None
+    stop_token_ids: IntList | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -56,13 +98,18 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0  # vLLM's extra field: lower is served first (needs --scheduling-policy priority)
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None  # vLLM's extra field
-    bad_words: list[str] | None = None  # vLLM's extra field
+    # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[str, float], FAIL_FAST] | None = None
+    allowed_token_ids: IntList | None = None  # vLLM's extra field
+    bad_words: StrList | None = None  # vLLM's extra field
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    unsupported_fields: ClassVar[dict[str, tuple]] = UNSUPPORTED_SAMPLING_FIELDS | {
+        "suffix": (None, ""), "prompt_embeds": (None,), "add_special_tokens": (None, True),
+    }
+
+    prompt: str | StrList | IntList | Annotated[list[IntList], FAIL_FAST]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -70,11 +117,19 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    unsupported_fields: ClassVar[dict[str, tuple]] = UNSUPPORTED_SAMPLING_FIELDS | {
+        "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+        "function_call": (None, "none", "auto"), "reasoning_effort": (None,), "audio": (None,),
+        "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+        "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
+        "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    }
+
+    messages: Annotated[list[ChatMessage], FAIL_FAST]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -184,10 +239,10 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], FAIL_FAST] | None = None
     add_generation_prompt: bool = True
 
 
@@ -197,9 +252,9 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: IntList
 
 
 class DetokenizeResponse(OpenAIModel):

@@ -48,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine_process=args.engine_process and args.num_processes == 1,
         **engine_options(args),
     )
-    state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests)
+    state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests,
+                        args.max_completions_per_request, args.max_stop_strings)
     app = build_app(state, registry, api_key, args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
