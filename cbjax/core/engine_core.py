@@ -62,7 +62,7 @@ class EngineCore:
                                     runner.max_suppressed_ids, config.scheduling_policy)
         self.num_steps = 0
         self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet
-        self.last_step_num_tokens = 0  # tokens the latest step computed (prompt chunks + decodes)
+        self.last_step_num_tokens = 0  # tokens of the step the latest step() launched (prompt chunks + decodes)
 
     # ---- requests -------------------------------------------------------------
 
@@ -114,6 +114,7 @@ class EngineCore:
             # Overlapping stops: read the step in flight now and schedule the next one on the next
             # call, so each call still reports one step (an abort between calls lands exactly).
             launched, self.in_flight = self.in_flight, None
+            self.last_step_num_tokens = 0  # it launched none
             return self._update(launched)
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import operator
 import signal
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -73,7 +74,7 @@ class EngineCoreProc:
         core = self.core
         step = core.step()
         if step.sampled is None:
-            return self._unsent(empty_progress(core.get_stats()))
+            return self._unsent(empty_progress(core.get_stats(), num_step_tokens=core.last_step_num_tokens))
         rows = step.sampled.sampling_requests
         skipped = [row for row, request in enumerate(rows) if request in step.skipped] if step.skipped else []
         # The same request objects as the step sent last (a decode over the same batch): the front
@@ -96,7 +97,7 @@ class EngineCoreProc:
             started=[ChildState.of(request) for request in started if request.output_token_ids],
             finished=[ChildState.of(request) for request in step.finished],
             preempted=step.preempted,
-            stats=core.get_stats(), num_step_tokens=core.last_step_num_tokens,
+            stats=core.get_stats(), num_step_tokens=core.last_step_num_tokens, timestamp=time.monotonic(),
         ))
 
 

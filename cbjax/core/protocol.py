@@ -8,6 +8,7 @@ end (engine/frontend.py) applies them, in field order, to its mirrors of the cor
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 from cbjax.core.request import Request
@@ -49,9 +50,14 @@ class StepProgress:
     finished: list[ChildState]  # rows the step finished (eos, stop token ids, length)
     preempted: list[str]  # requests the step's schedule preempted
     stats: dict[str, Any]  # EngineCore.get_stats() after the step
-    num_step_tokens: int  # tokens the latest step computed
+    num_step_tokens: int  # tokens of the step launched with it (0: none; async scheduling reads the one before)
+    timestamp: float  # time.monotonic() when the core read the step (one clock for both processes)
 
 
-def empty_progress(stats: dict[str, Any], rejected: list[tuple[str, str]] = (), aborted: list[ChildState] = ()) -> StepProgress:
-    """A message with no step: rejections and aborts applied while no step ran."""
-    return StepProgress(list(rejected), list(aborted), None, [], [], [], [], {}, {}, [], [], [], stats, 0)
+def empty_progress(
+    stats: dict[str, Any], rejected: list[tuple[str, str]] = (), aborted: list[ChildState] = (), num_step_tokens: int = 0,
+) -> StepProgress:
+    """A message with no step read: rejections and aborts applied while no step ran, or the first
+    step launched with async scheduling (its tokens count when launched)."""
+    return StepProgress(list(rejected), list(aborted), None, [], [], [], [], {}, {}, [], [], [], stats, num_step_tokens,
+                        time.monotonic())

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from cbjax.engine.exceptions import EngineDeadError
+from cbjax.engine.iteration_stats import IterationStats, IterationStatsCollector
 from cbjax.engine.llm_engine import LLMEngine, Prompt
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
@@ -67,10 +68,8 @@ def deliver(sink: Callable[[Any], None], item: Any) -> None:
 
 
 class StatLogger(Protocol):
-    def record_step(
-        self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
-    ) -> None:
-        """Called in the core thread after every loop iteration with what that iteration produced."""
+    def record_step(self, iteration: IterationStats) -> None:
+        """Called after every engine step (in the thread that reads the core's steps) with what it did."""
 
 
 class ThreadCoreClient:
@@ -80,8 +79,8 @@ class ThreadCoreClient:
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.sinks: dict[str, OutputSink] = {}
         self.stats: dict[str, Any] = engine.get_stats()  # replaced (not mutated) after every iteration
-        # The stat loggers count every request's tokens as they come, FINAL_ONLY ones too.
-        engine.output_processor.report_every_step = bool(self.stat_loggers)
+        if self.stat_loggers:  # they count every request's tokens from the rows, FINAL_ONLY ones too
+            engine.book.iteration_stats = IterationStatsCollector(engine.book.parents)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="cbjax-engine-core", daemon=True)
 
@@ -171,6 +170,10 @@ class ThreadCoreClient:
             if sink is not None:
                 deliveries.append((sink, output))
         deliver_all(deliveries)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record_step(outputs, self.stats, self.engine.last_step_num_tokens, now)
+        if self.stat_loggers:
+            iteration_stats = self.engine.book.iteration_stats
+            iteration = iteration_stats.end_step(self.stats, self.engine.last_step_num_tokens, now, now)
+            iteration.finished_requests = iteration_stats.finished(outputs, now)
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_step(iteration)
 

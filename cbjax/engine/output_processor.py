@@ -51,14 +51,12 @@ class OutputProcessor:
         # they finish, so a step of LLM.generate's requests costs nothing here per request.
         self.watched: set[Request] = set()
         self.streamed: set[Request] = set()  # of which those whose output kind is not FINAL_ONLY
-        # Set by a reader of every request's progress (the server's metrics): FINAL_ONLY requests
-        # then get an output every step as well, which their callers' streams do not show.
-        self.report_every_step = False
 
     def wants_output(self, request: Request) -> bool:
         """Whether an unfinished request's progress this step needs a RequestOutput (of its parent:
-        the children of one parent share their output kind)."""
-        return self.report_every_step or request in self.streamed
+        the children of one parent share their output kind). Stat loggers need none: they count the
+        rows (iteration_stats.py)."""
+        return request in self.streamed
 
     def add_request(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params

@@ -34,6 +34,7 @@ from cbjax.core.request_checks import check_request
 from cbjax.engine.core_client import OutputSink, StatLogger, deliver, deliver_all
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.frontend import Frontend
+from cbjax.engine.iteration_stats import IterationStatsCollector
 from cbjax.engine.request_book import Prompt, eos_token_ids, tokenize_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
@@ -72,7 +73,8 @@ class ProcessCoreClient:
         self.tokenizer = Tokenizer.from_dir(self.engine_config.tokenizer or self.engine_config.model)
         self.frontend = Frontend(self.tokenizer, eos_token_ids(self.tokenizer, self.model_config), self._send_stop)
         self.stat_loggers = [make(self.engine_config) for make in stat_loggers]
-        self.frontend.output_processor.report_every_step = bool(self.stat_loggers)
+        if self.stat_loggers:  # they count every request's tokens from the rows, FINAL_ONLY ones too
+            self.frontend.book.iteration_stats = IterationStatsCollector(self.frontend.book.parents)
         self.sinks: dict[str, OutputSink] = {}
         self.error: BaseException | None = None
         self._lock = threading.Lock()  # the front end and the sinks: callers' threads and the reader's
@@ -192,6 +194,8 @@ class ProcessCoreClient:
 
     def _apply(self, steps: list[StepProgress]) -> None:
         deliveries: list[tuple[OutputSink, RequestOutput | BaseException]] = []
+        now = time.monotonic()  # the steps' first tokens reach this process now (their TTFT)
+        iteration_stats, iterations = self.frontend.book.iteration_stats, []
         with self._lock:
             progressed = {}
             for step in steps:
@@ -202,17 +206,20 @@ class ProcessCoreClient:
                         deliveries.append((sink, ValueError(why)))
                 for parent, finished in self.frontend.apply(step):
                     progressed[parent.request_id] = (parent, finished)
+                if iteration_stats is not None:  # each step is its own, however many were read at once
+                    iterations.append(iteration_stats.end_step(step.stats, step.num_step_tokens, step.timestamp, now))
             outputs = self.frontend.outputs(progressed.values())
+            if iterations:
+                iterations[-1].finished_requests = iteration_stats.finished(outputs, now)
             self.stats = steps[-1].stats  # before delivery: a finished caller sees its blocks freed
             for output in outputs:
                 sink = self.sinks.pop(output.request_id, None) if output.finished else self.sinks.get(output.request_id)
                 if sink is not None:
                     deliveries.append((sink, output))
         deliver_all(deliveries)
-        now = time.monotonic()
-        num_tokens = sum(step.num_step_tokens for step in steps)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record_step(outputs, self.stats, num_tokens, now)
+        for iteration in iterations:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_step(iteration)
 
 
 def _is_dead(message: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 from cbjax.core.outputs import SampledTokens
 from cbjax.core.request import Request, RequestStatus
+from cbjax.engine.iteration_stats import IterationStatsCollector
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from cbjax.outputs import RequestOutput
@@ -29,6 +30,8 @@ class RequestBook:
         self.output_processor = output_processor
         self.requests: dict[str, ParentRequest] = {}  # by the caller's request id
         self.parents: dict[str, ParentRequest] = {}  # by the scheduler's (child) request id
+        # Set where a stat logger reads every step (core clients): every row is then counted there.
+        self.iteration_stats: IterationStatsCollector | None = None
 
     def check_free(self, request_id: str, n: int) -> None:
         """Raise ValueError if `request_id`, or a child id of its n completions, is being served."""
@@ -80,7 +83,8 @@ class RequestBook:
         output_processor, parents = self.output_processor, self.parents
         finished_by_update = set(finished_now)
         watched, wants_output = output_processor.watched, output_processor.wants_output
-        if watched or output_processor.report_every_step:
+        iteration_stats = self.iteration_stats
+        if watched or iteration_stats is not None:
             rows = enumerate(sampled.sampling_requests)
         else:  # nobody reads a token before its request finishes (LLM.generate's): only the finished need a
             rows = ((None, request) for request in finished_now)  # look, and no row (process_token is for watched ones)
@@ -90,6 +94,8 @@ class RequestBook:
             finished = request.is_finished
             if finished and request not in finished_by_update:
                 continue  # finished before the step's tokens came back (update skipped it too)
+            if iteration_stats is not None:
+                iteration_stats.sampled(request)
             if request in watched:
                 stop_string = output_processor.process_token(request, sampled, row)
                 if stop_string is not None:

@@ -70,13 +70,13 @@ def test_aborts_fired_from_another_thread_during_steps_land_between_steps(engine
 
 
 class FinishedRecorder:
-    """A stat logger that keeps every finished output the core sees."""
+    """A stat logger that keeps the stats of every finished request the core sees."""
 
     def __init__(self):
         self.finished = {}
 
-    def record_step(self, outputs, stats, num_step_tokens, now):
-        self.finished.update({output.request_id: output for output in outputs if output.finished})
+    def record_step(self, iteration):
+        self.finished.update({finished.request_id: finished for finished in iteration.finished_requests})
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +141,8 @@ def test_leaving_the_stream_early_aborts_the_request_and_frees_its_blocks(async_
         return await async_llm.get_stats()
 
     stats = asyncio.run(read_then_leave())
-    completion = recorder.finished[request_id].outputs[0]
-    assert completion.finish_reason == "abort" and len(completion.token_ids) < 100
+    finished = recorder.finished[request_id]
+    assert finished.finish_reason == "abort" and finished.num_generation_tokens < 100
     assert_idle(stats)
 
 

@@ -4,11 +4,14 @@ transformers' greedy tokens and the tokenizer's own decode, never from cbjax's o
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 from engine_helpers import hf_greedy, random_prompts
 from tiny_llm import llm, tiny  # noqa: F401 - the shared fixtures
 
 from cbjax import RequestOutputKind, SamplingParams
+from cbjax.engine.core_client import ThreadCoreClient
 
 PROMPT = random_prompts(0, [1, 7, 8, 9])[3]  # test_output_semantics' prompt: greedy text 'n\ufffdAnAANTh%A'
 
@@ -19,18 +22,14 @@ def greedy(tiny, llm):
     return tokens, llm.get_tokenizer().decode(tokens)
 
 
-def outputs_by_request(llm, requests: dict[str, SamplingParams], report_every_step: bool = False) -> dict[str, list]:
+def outputs_by_request(llm, requests: dict[str, SamplingParams]) -> dict[str, list]:
     engine = llm.llm_engine
-    engine.output_processor.report_every_step = report_every_step
-    try:
-        for request_id, params in requests.items():
-            engine.add_request(request_id, {"prompt_token_ids": PROMPT}, params)
-        outputs: dict[str, list] = {request_id: [] for request_id in requests}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                outputs[output.request_id].append(output)
-    finally:
-        engine.output_processor.report_every_step = False
+    for request_id, params in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": PROMPT}, params)
+    outputs: dict[str, list] = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
     return outputs
 
 
@@ -69,8 +68,35 @@ def test_delta_holds_back_text_that_may_begin_a_stop_string(llm, greedy):
     assert sent[:-1] == [max(0, n - len(stop) + 1) for n in decoded[:-1]] and sent[-1] == len(text)
 
 
-def test_final_only_reports_every_step_when_a_stats_reader_asks(llm, greedy):
-    tokens, _ = greedy
-    outputs = outputs_by_request(llm, {"final": params(RequestOutputKind.FINAL_ONLY)}, report_every_step=True)["final"]
-    assert [o.metrics.num_generation_tokens for o in outputs] == list(range(1, 11))
-    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == tokens
+class StepRecorder:
+    """A stat logger that keeps every step's IterationStats."""
+
+    def __init__(self):
+        self.iterations = []
+
+    def record_step(self, iteration):
+        self.iterations.append(iteration)
+
+
+def test_final_only_gets_one_output_while_a_stat_logger_counts_every_step(llm, greedy):
+    """Issue 35 (9): a stat logger reads the steps' rows, so a FINAL_ONLY request's sink still gets
+    one output, at the end, and the logger still sees each of its tokens."""
+    tokens, text = greedy
+    recorder, received = StepRecorder(), queue.SimpleQueue()
+    client = ThreadCoreClient(llm.llm_engine, [recorder])
+    client.start()
+    try:
+        client.add_request("final", {"prompt_token_ids": PROMPT}, params(RequestOutputKind.FINAL_ONLY), received.put)
+        final = received.get(timeout=60)
+        client.shutdown(timeout=60)  # nothing more can come once the core thread is gone
+    finally:
+        llm.llm_engine.book.iteration_stats = None
+    assert final.finished and final.outputs[0].token_ids == tokens and final.outputs[0].text == text
+    assert received.empty(), "one output: no output per step for the stat logger"
+    iterations = recorder.iterations
+    assert [i.num_generation_tokens for i in iterations if i.num_generation_tokens] == [1] * 10
+    assert sum(i.num_prompt_tokens for i in iterations) == len(PROMPT)
+    assert sum(len(i.time_to_first_tokens) for i in iterations) == 1
+    assert sum(count for i in iterations for _, count in i.inter_token_latencies) == 9
+    (finished,) = [f for i in iterations for f in i.finished_requests]
+    assert (finished.request_id, finished.finish_reason, finished.num_generation_tokens) == ("final", "length", 10)

@@ -1,11 +1,23 @@
-"""RequestOutput.metrics: vLLM's latency names (time_in_queue, first_token_latency, e2e_latency) and token count."""
+"""RequestOutput.metrics: vLLM's latency names (time_in_queue, first_token_latency, e2e_latency) and token
+count; the stat loggers' per-step IterationStats and the Prometheus metrics made of them."""
 
 from __future__ import annotations
 
+import queue
+import time
+
 import pytest
+from prometheus_client import CollectorRegistry
 from tiny_checkpoint import make_tiny_checkpoint
 
-from cbjax import LLM, SamplingParams
+from cbjax import LLM, RequestOutputKind, SamplingParams
+from cbjax.config import EngineConfig
+from cbjax.core.engine_core import EngineCore
+from cbjax.engine.core_client import ThreadCoreClient
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.engine.process_client import ProcessCoreClient
+from cbjax.engine.iteration_stats import FinishedRequestStats, IterationStats
+from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.outputs import RequestMetrics
 
 
@@ -24,17 +36,23 @@ def test_latencies_not_yet_known_are_none():
     assert metrics.first_token_latency is None and metrics.e2e_latency is None
 
 
+OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8, num_kv_blocks=40)
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("metrics"))[1]
-    llm = LLM(str(checkpoint), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, block_size=8, num_kv_blocks=40)
-    return llm.llm_engine
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("metrics"))[1]
 
 
-def test_engine_outputs_carry_queue_time_ttft_e2e_and_generation_tokens(engine):
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return LLM(str(checkpoint), **OPTIONS).llm_engine
+
+
+def test_engine_outputs_carry_queue_time_ttft_e2e_and_generation_tokens(engine, monkeypatch):
     # A scripted clock: scheduler calls return 100.0, 101.0, ... so every latency is known exactly.
     ticks = iter(float(t) for t in range(100, 200))
-    engine.scheduler.clock = lambda: next(ticks)
+    monkeypatch.setattr(engine.scheduler, "clock", lambda: next(ticks))
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True),
                        arrival_time=99.0)
     streamed = []
@@ -48,33 +66,135 @@ def test_engine_outputs_carry_queue_time_ttft_e2e_and_generation_tokens(engine):
     assert final.num_generation_tokens == len(streamed[-1].outputs[0].token_ids) == 3
 
 
-def test_merged_outputs_count_one_inter_token_latency_per_step():
-    """An output that carries several steps' tokens (an engine-core process's front end that fell
-    behind merges them) still counts one ITL per decode step, as vLLM does, summing to the wait."""
-    from prometheus_client import CollectorRegistry
+def sample(registry: CollectorRegistry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
 
-    from cbjax.config import EngineConfig
-    from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
-    from cbjax.outputs import CompletionOutput, RequestOutput
 
+STATS = {"num_running": 1, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 2, "num_preemptions": 0,
+         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+
+def test_the_prometheus_logger_observes_each_step_record_as_vllm_names_it():
+    """A hand-made step record: a step of 12 tokens in which one request's first token came (after
+    0.25 s), three tokens came 0.5 s after their previous ones and a request finished by a stop."""
     registry = CollectorRegistry()
     logger = PrometheusStatLogger(registry, "m", EngineConfig(model="unused", max_model_len=64, max_num_batched_tokens=64))
+    finished = FinishedRequestStats("r", "stop", e2e_latency=2.0, queue_time=0.5, prefill_time=None,
+                                    num_prompt_tokens=9, num_generation_tokens=4)
+    logger.record_step(IterationStats(STATS, 12, 9, 4, [0.25], [(0.5, 3)], [finished]))
+    logger.record_step(IterationStats(STATS, 0, 0, 0, [], [], []))  # a message with no step launched
+    assert (sample(registry, "vllm:iteration_tokens_total_count"), sample(registry, "vllm:iteration_tokens_total_sum")) == (1, 12)
+    assert sample(registry, "vllm:prompt_tokens_total") == 9 and sample(registry, "vllm:generation_tokens_total") == 4
+    assert (sample(registry, "vllm:time_to_first_token_seconds_count"), sample(registry, "vllm:time_to_first_token_seconds_sum")) == (1, 0.25)
+    assert sample(registry, "vllm:inter_token_latency_seconds_count") == 3
+    assert sample(registry, "vllm:inter_token_latency_seconds_sum") == pytest.approx(1.5)
+    assert sample(registry, "vllm:request_success_total", finished_reason="stop") == 1
+    assert sample(registry, "vllm:e2e_request_latency_seconds_sum") == 2.0
+    assert sample(registry, "vllm:request_queue_time_seconds_count") == 1
+    assert sample(registry, "vllm:request_prefill_time_seconds_count") == 0, "no first token: no prefill time"
+    assert sample(registry, "vllm:request_generation_tokens_sum") == 4 and sample(registry, "vllm:request_prompt_tokens_sum") == 9
 
-    def output(num_tokens, finished=False):
-        metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
-                                 finished_time=None, num_preemptions=0, num_generation_tokens=num_tokens)
-        completion = CompletionOutput(0, "", list(range(num_tokens)), "length" if finished else None)
-        return RequestOutput("r", None, [1, 2], [completion], finished, metrics)
 
-    stats = {"num_running": 1, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_total": 2, "num_preemptions": 0,
-             "prefix_cache_queries": 0, "prefix_cache_hits": 0}
-    logger.record_step([output(3)], stats, 1, now=12.0)  # tokens 1-3: the first at 11.0, two more steps by 12.0
-    logger.record_step([output(5, finished=True)], stats, 1, now=13.0)  # two more steps by 13.0
+def token_counts(outputs: list, kind: RequestOutputKind) -> list[int]:
+    """Each completion's number of tokens, from a request's outputs (DELTA: summed over them)."""
+    if kind is RequestOutputKind.DELTA:
+        return [sum(len(o.outputs[i].token_ids) for o in outputs) for i in range(len(outputs[-1].outputs))]
+    return [len(completion.token_ids) for completion in outputs[-1].outputs]
 
-    def sample(name):
-        return registry.get_sample_value(name, {"model_name": "m"})
 
-    assert sample("vllm:inter_token_latency_seconds_count") == 2 + 2
-    assert sample("vllm:inter_token_latency_seconds_sum") == pytest.approx((12.0 - 11.0) + (13.0 - 12.0))
-    assert sample("vllm:time_to_first_token_seconds_count") == 1
-    assert sample("vllm:generation_tokens_total") == 5
+def test_ttft_and_e2e_count_each_finished_request_once(engine):
+    """Requests of every output kind, one with n=2 and one aborted after its first output, through the
+    core thread with the Prometheus logger: each request counts once in TTFT, e2e, queue and prefill
+    time and the success counter; each completion's tokens once; one ITL per token after its first."""
+    registry = CollectorRegistry()
+    client = ThreadCoreClient(engine, [PrometheusStatLogger(registry, "m", engine.config)])
+    steps_before = engine.get_stats()["num_steps"]
+    kinds = RequestOutputKind
+    requests = {
+        "final": ([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True, output_kind=kinds.FINAL_ONLY)),
+        "pair": ([8, 9, 10, 11], SamplingParams(n=2, max_tokens=4, ignore_eos=True, output_kind=kinds.FINAL_ONLY)),
+        "stream": ([12, 13], SamplingParams(max_tokens=6, ignore_eos=True, output_kind=kinds.DELTA)),
+        "left": ([14, 15, 16], SamplingParams(max_tokens=40, ignore_eos=True, output_kind=kinds.DELTA)),
+    }
+    received = {request_id: queue.SimpleQueue() for request_id in requests}
+    outputs = {request_id: [] for request_id in requests}
+    client.start()
+    try:
+        for request_id, (prompt, params) in requests.items():
+            client.add_request(request_id, {"prompt_token_ids": prompt}, params, received[request_id].put)
+        for request_id in requests:
+            while not (outputs[request_id] and outputs[request_id][-1].finished):
+                outputs[request_id].append(received[request_id].get(timeout=60))
+                if request_id == "left" and len(outputs[request_id]) == 1:
+                    client.abort_request(request_id)  # the caller leaves after its first output
+        client.shutdown(timeout=60)
+    finally:
+        engine.book.iteration_stats = None
+    tokens = {request_id: token_counts(outputs[request_id], params.output_kind) for request_id, (_, params) in requests.items()}
+    assert tokens["final"] == [5] and tokens["pair"] == [4, 4] and tokens["stream"] == [6] and 1 <= tokens["left"][0] < 40
+    assert [len(outputs[request_id]) for request_id in ("final", "pair")] == [1, 1]
+
+    def count(name, **labels):
+        return sample(registry, name, **labels)
+
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert count(f"vllm:{name}_count") == 4, name
+    assert count("vllm:request_success_total", finished_reason="length") == 3
+    assert count("vllm:request_success_total", finished_reason="abort") == 1
+    assert count("vllm:prompt_tokens_total") == count("vllm:request_prompt_tokens_sum") == 3 + 4 + 2 + 3
+    total = sum(sum(counts) for counts in tokens.values())
+    assert count("vllm:generation_tokens_total") == count("vllm:request_generation_tokens_sum") == total
+    assert count("vllm:inter_token_latency_seconds_count") == sum(n - 1 for counts in tokens.values() for n in counts)
+    assert count("vllm:iteration_tokens_total_count") == engine.get_stats()["num_steps"] - steps_before
+
+
+def standin_core(options: dict) -> EngineCore:
+    """A core whose device steps take 2 ms and compute nothing (`cbjax bench host`'s stand-in device):
+    an engine-core process that starts in seconds, with no model step to compile."""
+    from cbjax.bench.standin_device import install_standin
+
+    engine = LLMEngine(EngineConfig(**options), precompile=False, progress=False)
+    install_standin(engine.runner, 0.002, list(range(3, 300)))
+    return engine.core
+
+
+class SlowFirstRecord:
+    """A stat logger whose first record keeps the front end's reader away while the core steps on."""
+
+    def __init__(self, logger: PrometheusStatLogger):
+        self.logger, self.slept = logger, False
+
+    def record_step(self, iteration: IterationStats) -> None:
+        if not self.slept:
+            time.sleep(0.3)
+            self.slept = True
+        self.logger.record_step(iteration)
+
+
+def test_a_front_end_that_reads_several_core_steps_at_once_observes_each_step(checkpoint):
+    """The core process runs ahead while the front end is busy; the front end then reads every waiting
+    step in one go, and each must still be one observation of iteration_tokens, with its own count."""
+    registry = CollectorRegistry()
+    stat_logger = SlowFirstRecord(PrometheusStatLogger(registry, "m", EngineConfig(model=str(checkpoint), **OPTIONS)))
+    options = {"model": str(checkpoint), **OPTIONS, "async_scheduling": False}  # each step reads its own tokens
+    client = ProcessCoreClient(standin_core, (options,), [lambda config: stat_logger])
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    received = queue.SimpleQueue()
+    client.start()
+    try:
+        client.add_requests([(f"r{i}", {"prompt_token_ids": prompt}, params, received.put, 0)
+                             for i, prompt in enumerate(prompts)])
+        outputs = [received.get(timeout=60) for _ in prompts]
+    finally:
+        client.shutdown(timeout=30)  # its reader thread has recorded every step by then
+    assert all(output.finished for output in outputs) and received.empty()
+    num_steps = client.stats["num_steps"]
+    assert num_steps == 12, "all four prompts in one step, then 11 decode steps"
+    assert sample(registry, "vllm:iteration_tokens_total_count") == num_steps
+    # Every prompt token computed once, then one token per request per step but the last sampled.
+    assert sample(registry, "vllm:iteration_tokens_total_sum") == sum(map(len, prompts)) + len(prompts) * 11
+    assert sample(registry, "vllm:generation_tokens_total") == len(prompts) * 12
+    assert sample(registry, "vllm:time_to_first_token_seconds_count") == len(prompts)
+    assert sample(registry, "vllm:inter_token_latency_seconds_count") == len(prompts) * 11

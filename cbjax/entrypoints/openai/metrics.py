@@ -3,13 +3,10 @@ label `model_name`, so that dashboards built for vLLM work unchanged."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cbjax.config import EngineConfig
-from cbjax.outputs import RequestOutput
+from cbjax.engine.iteration_stats import IterationStats
 
 # vLLM's bucket edges (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -32,14 +29,8 @@ def one_two_five_buckets(limit: int) -> list[int]:
         exponent += 1
 
 
-@dataclasses.dataclass
-class _Progress:
-    num_output_tokens: int = 0
-    last_token_time: float | None = None
-
-
 class PrometheusStatLogger:
-    """Fed by the engine core after every step (its StatLogger); read by GET /metrics."""
+    """Fed each engine step's IterationStats (a core client's StatLogger); read by GET /metrics."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, config: EngineConfig):
         labels, model = ["model_name"], {"model_name": model_name}
@@ -85,13 +76,11 @@ class PrometheusStatLogger:
         step_buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                           [b for b in step_buckets if b <= max_num_batched_tokens])
-        self.progress: dict[str, _Progress] = {}
         self.preemptions_seen = 0
         self.prefix_cache_seen = (0, 0)  # the engine's (queries, hits) already counted
 
-    def record_step(
-        self, outputs: list[RequestOutput], stats: dict[str, Any], num_step_tokens: int, now: float
-    ) -> None:
+    def record_step(self, iteration: IterationStats) -> None:
+        stats = iteration.engine_stats
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
         self.kv_cache_usage.set(1.0 - stats["kv_blocks_free"] / max(stats["kv_blocks_total"], 1))
@@ -101,40 +90,21 @@ class PrometheusStatLogger:
         self.prefix_cache_queries.inc(queries - self.prefix_cache_seen[0])
         self.prefix_cache_hits.inc(hits - self.prefix_cache_seen[1])
         self.prefix_cache_seen = (queries, hits)
-        if num_step_tokens:
-            self.iteration_tokens.observe(num_step_tokens)
-        for output in outputs:
-            self._record_request(output, now)
-
-    def _record_request(self, output: RequestOutput, now: float) -> None:
-        progress = self.progress.setdefault(output.request_id, _Progress())
-        num_output_tokens = output.metrics.num_generation_tokens  # so far, whatever the output kind shows
-        new_tokens = num_output_tokens - progress.num_output_tokens
-        if new_tokens > 0:
-            # One inter-token latency per decode step, as vLLM counts them: an output may carry the
-            # tokens of several steps (an engine core in its own process merges a request's steps
-            # when its front end falls behind), each then observed as an equal share of the wait.
-            if progress.num_output_tokens == 0:  # the prompt is computed: its first token is out
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
-                self.ttft.observe(now - output.metrics.arrival_time)
-                since, steps = output.metrics.first_token_time, new_tokens - 1
-            else:
-                since, steps = progress.last_token_time, new_tokens
-            if since is not None and steps > 0:
-                share = max(0.0, now - since) / steps
-                for _ in range(steps):
-                    self.itl.observe(share)
-            self.generation_tokens.inc(new_tokens)
-            progress.num_output_tokens, progress.last_token_time = num_output_tokens, now
-        if output.finished:
-            del self.progress[output.request_id]
-            metrics = output.metrics
-            reason = output.outputs[0].finish_reason or "abort"
-            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
-            self.e2e.observe(now - metrics.arrival_time)
-            if metrics.first_scheduled_time is not None:
-                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
-                if metrics.first_token_time is not None:
-                    self.prefill_time.observe(metrics.first_token_time - metrics.first_scheduled_time)
-            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-            self.request_generation_tokens.observe(num_output_tokens)
+        if iteration.num_step_tokens:
+            self.iteration_tokens.observe(iteration.num_step_tokens)
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for ttft in iteration.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for latency, count in iteration.inter_token_latencies:
+            for _ in range(count):
+                self.itl.observe(latency)
+        for finished in iteration.finished_requests:
+            self.request_success.labels(model_name=self.model_name, finished_reason=finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue_time.observe(finished.queue_time)
+            if finished.prefill_time is not None:
+                self.prefill_time.observe(finished.prefill_time)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
