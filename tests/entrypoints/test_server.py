@@ -279,6 +279,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "priority": 3}, 400, ["priority=3", "scheduling_policy='priority'"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -1}, 400,
      ["priority=-1", "--scheduling-policy priority"]),
+    # Checked before a stream opens: the status is still a 400.
+    ("/v1/completions", {"prompt": "hi", "priority": 3, "stream": True}, 400, ["priority=3"]),
+    # The server's own bounds (tests/entrypoints/test_server_limits.py has the rest).
+    ("/v1/completions", {"prompt": "hi", "n": 1_000_000}, 400, ["n=1000000", "--max-completions-per-request"]),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}, 400, ["17", "--max-stop-strings"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400, ["response_format", "not supported"]),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream=True"]),
 ]
 
 
