@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from server_process import free_port
 from tiny_checkpoint import TINY_VOCAB, write_tiny_tokenizer
 
-from cbjax.entrypoints.openai import completions
+from cbjax.entrypoints.openai import completions, serving
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -191,7 +191,7 @@ def test_overload_gate_counts_completions_the_core_has_not_applied_yet(url, stat
     assert post(url, "/v1/completions", COMPLETION | {"n": 4}).status_code == 200, "the queue drained"
 
 
-def test_a_stream_dropped_before_its_first_token_leaves_the_gate(url, state, fresh):
+def test_a_stream_whose_client_hung_up_is_counted_out(url, state, fresh):
     fresh.released.clear()
     with httpx.stream("POST", url + "/v1/completions", json=COMPLETION | {"stream": True, "n": 3}) as response:
         assert response.status_code == 200
@@ -200,6 +200,22 @@ def test_a_stream_dropped_before_its_first_token_leaves_the_gate(url, state, fre
             assert time.monotonic() < deadline
             time.sleep(0.01)
     # The fixture checks that the count goes back to zero once the client hung up.
+
+
+def test_outputs_never_read_are_counted_out_when_dropped(state, fresh):
+    """A client that leaves before its answer starts: the outputs admit() returned are never iterated."""
+    params = [SamplingParams(n=2, max_tokens=4)]
+
+    async def admit_and_drop() -> int:
+        outputs = await serving.admit(state, [{"prompt": None, "prompt_token_ids": [5]}], params, "dropped",
+                                      priority=0)
+        counted = state.num_unfinished
+        del outputs
+        return counted
+
+    assert asyncio.run(admit_and_drop()) == 2
+    gc.collect()
+    assert state.num_unfinished == 0
 
 
 # ---- 5: validation errors stay small ------------------------------------------------------------
