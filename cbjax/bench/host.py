@@ -25,6 +25,9 @@ Variants: greedy alone; + penalties (presence, frequency, repetition: the token 
 --finish staggered spreads the output lengths evenly over [output_len / 2, 3 * output_len / 2): the
 requests leave one after another, as in continuous batching, and every decode step is measured
 (from all --num-running of them down to a few), not only those of the whole batch.
+--prefix-caching-hash-algos sha256 builtin: the prefix cache's block hashes side by side in one engine.
+A request hashes a block when it fills one (every --block-size steps), so that cost shows in the mean
+host CPU per step (mean_host_cpu_ms_per_step), hardly in the median.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import time
 from typing import Any
 
 from cbjax.bench.common import environment, print_table, write_json
+from cbjax.core.kv.prefix_cache import HASH_ALGOS, BlockHasher
 from cbjax.entrypoints.cli.args import add_engine_args, engine_options
 
 PASSAGE = (
@@ -54,8 +58,9 @@ VARIANTS = {"greedy": {}, "penalties": PENALTIES, "stop": {"stop": STOP_STRINGS}
             "penalties+stop": {**PENALTIES, "stop": STOP_STRINGS}}
 OUTPUT_KINDS = ["final_only", "delta", "cumulative"]
 SETTING = ["max_model_len", "variant", "output_kind", "num_running", "finish", "delay_ms", "async_scheduling",
-           "engine_process"]
-TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step"]
+           "engine_process", "prefix_caching_hash_algo"]
+TIMES = ["wall_ms_per_step", "host_ms_per_step", "wake_lag_ms_per_step", "host_work_ms_per_step", "host_cpu_ms_per_step",
+         "mean_host_cpu_ms_per_step"]
 KEYS = [*SETTING, *TIMES, "num_measured_steps", "num_steps", "num_output_tokens"]
 
 
@@ -78,11 +83,11 @@ def host_params(output_len: int, num_running: int, variant: str, output_kind: st
 
 def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int,
              variant: str, delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only",
-             finish: str = "together") -> dict[str, Any]:
+             finish: str = "together", hash_algo: str = "sha256") -> dict[str, Any]:
     """One run: `num_running` requests from start to finish; medians over the steps all of them
     decode (finish="staggered": over every decode step)."""
     passage = engine.tokenizer.encode(PASSAGE)
-    _start_run(engine, delay_s, async_scheduling, timeline)
+    _start_run(engine, delay_s, async_scheduling, hash_algo, timeline)
     for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish)):
         engine.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params)
     finished = []
@@ -92,16 +97,16 @@ def run_host(engine: Any, timeline: Any, num_running: int, prompt_len: int, outp
     elapsed = time.perf_counter() - start
     return measure(timeline.steps, finished, elapsed, num_running, finish) | setting_of(
         engine.config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "off",
-        prompt_len, output_len)
+        hash_algo, prompt_len, output_len)
 
 
 def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len: int, variant: str, delay_s: float,
                         async_scheduling: str = "on", output_kind: str = "final_only",
-                        finish: str = "together") -> dict[str, Any]:
+                        finish: str = "together", hash_algo: str = "sha256") -> dict[str, Any]:
     """run_host with the engine core in its own process (`core`, a ProcessCoreClient whose engine has
     a stand-in device): the steps are the core's, the outputs made in this process."""
     passage = core.tokenizer.encode(PASSAGE)
-    core.call(_start_run, delay_s, async_scheduling)
+    core.call(_start_run, delay_s, async_scheduling, hash_algo)
     arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
     core.add_requests([(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put, 0)  # all before a step
                        for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish))])
@@ -116,22 +121,28 @@ def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len
     elapsed = time.perf_counter() - start
     return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | setting_of(
         core.engine_config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "on",
-        prompt_len, output_len)
+        hash_algo, prompt_len, output_len)
 
 
 def setting_of(max_model_len: int, variant: str, output_kind: str, num_running: int, finish: str, delay_s: float,
-               async_scheduling: str, engine_process: str, prompt_len: int, output_len: int) -> dict[str, Any]:
+               async_scheduling: str, engine_process: str, hash_algo: str, prompt_len: int,
+               output_len: int) -> dict[str, Any]:
     """A run's setting (SETTING's keys), and its request shape."""
     return {"max_model_len": max_model_len, "variant": variant, "output_kind": output_kind, "num_running": num_running,
             "finish": finish, "delay_ms": delay_s * 1e3, "async_scheduling": async_scheduling,
-            "engine_process": engine_process, "prompt_len": prompt_len, "output_len": output_len}
+            "engine_process": engine_process, "prefix_caching_hash_algo": hash_algo, "prompt_len": prompt_len,
+            "output_len": output_len}
 
 
-def _start_run(engine: Any, delay_s: float, async_scheduling: str, timeline: Any = None) -> None:
+def _start_run(engine: Any, delay_s: float, async_scheduling: str, hash_algo: str, timeline: Any = None) -> None:
+    """Set up a run of `engine` (an LLMEngine, or the EngineCore of an engine-core process)."""
     timeline = timeline or engine.standin_timeline
     timeline.delay_s = delay_s
     timeline.steps.clear()
     engine.config.async_scheduling = async_scheduling == "on"
+    if engine.block_manager.hasher.algo != hash_algo:  # the cached blocks' hashes are the other algorithm's
+        assert engine.reset_prefix_cache(), "a run left blocks held"
+        engine.block_manager.hasher = BlockHasher(hash_algo)
 
 
 def _timeline_steps(engine: Any) -> list[Any]:
@@ -145,15 +156,16 @@ def measure(steps: list[Any], finished: list[Any], elapsed: float, num_running: 
             and (finish == "staggered" or steps[i].num_sampling_rows == num_running)]
     if not full:
         raise SystemExit(f"no step had all {num_running} requests decoding; raise --output-len above the prefill steps")
+    host_cpu = [steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full]
     return {
         "wall_ms_per_step": statistics.median(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "host_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end for i in full) * 1e3,
         "device_ms_per_step": statistics.median(steps[i].end - steps[i].start for i in full) * 1e3,
         "wake_lag_ms_per_step": statistics.median(steps[i].wake_lag for i in full) * 1e3,
         "host_work_ms_per_step": statistics.median(steps[i + 1].start - steps[i].end - steps[i].wake_lag for i in full) * 1e3,
-        "host_cpu_ms_per_step": statistics.median(
-            steps[i + 1].launch_cpu - steps[i].launch_cpu - steps[i].wait_cpu for i in full
-        ) * 1e3,
+        "host_cpu_ms_per_step": statistics.median(host_cpu) * 1e3,
+        # Work every few steps (a block filled: its hash, a new block) is in the mean, not the median.
+        "mean_host_cpu_ms_per_step": statistics.mean(host_cpu) * 1e3,
         # A step's tail: the slowest of the measured steps (a full garbage collection lands on one of them).
         "max_wall_ms_per_step": max(steps[i + 1].start - steps[i].start for i in full) * 1e3,
         "num_measured_steps": len(full), "num_steps": len(steps), "num_requests_finished": len(finished),
@@ -215,16 +227,18 @@ def cmd_host(args: argparse.Namespace) -> None:
             runners["on"] = functools.partial(run_host_in_process, core)
         for run in runners.values():  # warm-up
             run(min(args.num_running), args.prompt_len, args.output_len, "penalties+stop", 0.0)
-        sides = [(process, overlap) for process in args.engine_process for overlap in args.async_scheduling]
+        hash_algos = args.prefix_caching_hash_algos or [args.prefix_caching_hash_algo]
+        sides = [(process, overlap, algo) for process in args.engine_process for overlap in args.async_scheduling
+                 for algo in hash_algos]
         for _ in range(args.repeats):
             for variant in args.variants:
                 for output_kind in args.output_kinds:
                     for num_running in args.num_running:
                         for delay_ms in args.delays_ms:
                             pair = len(runs) // len(sides)  # A B, then B A: side by side, fairly
-                            for process, overlap in sides if pair % 2 == 0 else reversed(sides):
+                            for process, overlap, algo in sides if pair % 2 == 0 else reversed(sides):
                                 runs.append(runners[process](num_running, args.prompt_len, args.output_len, variant,
-                                                             delay_ms / 1e3, overlap, output_kind, args.finish))
+                                                             delay_ms / 1e3, overlap, output_kind, args.finish, algo))
                                 print_table(runs[-1:], KEYS)
         if "on" in runners:
             core.shutdown(timeout=30)
@@ -250,6 +264,9 @@ def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-process", nargs="+", default=["off"], choices=["off", "on"],
                    help="on: the engine core in its own process, outputs made in this one (AsyncLLM's "
                         "engine_process); both: side by side")
+    p.add_argument("--prefix-caching-hash-algos", nargs="+", default=None, choices=list(HASH_ALGOS),
+                   help="block hashes to run side by side in one engine, the prefix cache emptied when the hash "
+                        "changes (default: --prefix-caching-hash-algo's)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")

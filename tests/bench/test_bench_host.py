@@ -145,3 +145,20 @@ def test_bench_host_with_the_engine_core_in_its_own_process(checkpoint, tmp_path
         assert run["num_steps"] == 6 and run["num_measured_steps"] == 4
         assert run["device_ms_per_step"] == pytest.approx(run["delay_ms"], abs=1e-6)
         assert 0 <= run["host_ms_per_step"] <= run["wall_ms_per_step"]
+
+
+def test_bench_host_runs_the_block_hashes_side_by_side_in_one_engine(checkpoint, tmp_path):
+    """--prefix-caching-hash-algos sha256 builtin (issue 35): both hashes alternate in one engine, each
+    run's setting names the one its pool used, and the outputs are the same."""
+    path = tmp_path / "host.json"
+    main([
+        "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "--delays-ms", "0", "3",
+        "--variants", "greedy", "--output-kinds", "final_only", "--prompt-len", "8", "--output-len", "6",
+        "--prefix-caching-hash-algos", "sha256", "builtin", "--result-json", str(path),
+    ])
+    runs = json.loads(path.read_text())["runs"]
+    assert [(r["delay_ms"], r["prefix_caching_hash_algo"]) for r in runs] == [
+        (0, "sha256"), (0, "builtin"), (3, "builtin"), (3, "sha256")]
+    assert all(r["num_output_tokens"] == 24 and r["num_measured_steps"] == 4 for r in runs)
+    medians = json.loads(path.read_text())["medians"]
+    assert sorted(m["prefix_caching_hash_algo"] for m in medians) == ["builtin", "builtin", "sha256", "sha256"]
