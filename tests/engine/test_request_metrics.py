@@ -7,7 +7,7 @@ import queue
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, RequestOutputKind, SamplingParams
@@ -17,7 +17,7 @@ from cbjax.engine.core_client import ThreadCoreClient
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.process_client import ProcessCoreClient
 from cbjax.engine.iteration_stats import FinishedRequestStats, IterationStats
-from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
+from cbjax.entrypoints.openai.metrics import ITL_BUCKETS, CountedHistogram, PrometheusStatLogger
 from cbjax.outputs import RequestMetrics
 
 
@@ -93,6 +93,22 @@ def test_the_prometheus_logger_observes_each_step_record_as_vllm_names_it():
     assert sample(registry, "vllm:request_queue_time_seconds_count") == 1
     assert sample(registry, "vllm:request_prefill_time_seconds_count") == 0, "no first token: no prefill time"
     assert sample(registry, "vllm:request_generation_tokens_sum") == 4 and sample(registry, "vllm:request_prompt_tokens_sum") == 9
+
+
+def test_a_counted_histogram_exports_what_as_many_observations_of_a_histogram_do():
+    values = [(0.003, 5), (0.01, 2), (0.02, 1), (0.3, 7), (100.0, 2)]  # on, between and past the bucket edges
+    counted, reference = CollectorRegistry(), CollectorRegistry()
+    histogram = CountedHistogram(counted, "vllm:latency_seconds", "doc", ITL_BUCKETS, "m")
+    expected = Histogram("vllm:latency_seconds", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=reference)
+    for value, count in values:
+        histogram.observe(value, count)
+        for _ in range(count):
+            expected.labels(model_name="m").observe(value)
+
+    def exported(registry):
+        return sorted(line for line in generate_latest(registry).decode().splitlines() if "_created" not in line)
+
+    assert exported(counted) == exported(reference)
 
 
 def token_counts(outputs: list, kind: RequestOutputKind) -> list[int]:

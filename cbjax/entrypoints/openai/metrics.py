@@ -3,7 +3,15 @@ label `model_name`, so that dashboards built for vLLM work unchanged."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+import threading
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from cbjax.config import EngineConfig
 from cbjax.engine.iteration_stats import IterationStats
@@ -27,6 +35,35 @@ def one_two_five_buckets(limit: int) -> list[int]:
                 return buckets
             buckets.append(value)
         exponent += 1
+
+
+class CountedHistogram:
+    """A histogram whose observe takes a count: nearly every running request waits the same time for
+    its next token (the step's), so a step's latencies go in as one value and a count, not one call
+    each (`cbjax bench host --stat-logger`). It exports what prometheus_client's Histogram does,
+    less `_created`."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, documentation: str, buckets: list[float],
+                 model_name: str):
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.upper_bounds = [*map(float, buckets), math.inf]
+        self.counts = [0] * len(self.upper_bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.lock = threading.Lock()  # observed by the thread that reads the core's steps, collected by /metrics
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        with self.lock:
+            self.counts[bisect.bisect_left(self.upper_bounds, value)] += count  # the first bucket with value <= bound
+            self.sum += value * count
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        buckets = [(floatToGoString(bound), count) for bound, count in zip(self.upper_bounds, itertools.accumulate(counts))]
+        family.add_metric([self.model_name], buckets, total)
+        yield family
 
 
 class PrometheusStatLogger:
@@ -60,8 +97,8 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
+        self.itl = CountedHistogram(r, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                    ITL_BUCKETS, model_name)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
@@ -97,8 +134,7 @@ class PrometheusStatLogger:
         for ttft in iteration.time_to_first_tokens:
             self.ttft.observe(ttft)
         for latency, count in iteration.inter_token_latencies:
-            for _ in range(count):
-                self.itl.observe(latency)
+            self.itl.observe(latency, count)
         for finished in iteration.finished_requests:
             self.request_success.labels(model_name=self.model_name, finished_reason=finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
