@@ -282,6 +282,34 @@ async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
 
 
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_an_abort_of_one_child_ends_it_alone_and_a_request_aborted_twice_ends_once(client, request):
+    """Issue 35, defect 10: an abort may name one completion of an n > 1 request by its child id
+    (vLLM's "{index}_{id}"): it alone ends, "abort", its siblings run to their length, and the request
+    gets one final output. A request aborted twice before the core applies either (a client gone and
+    a shutdown) ends once; the first core to see it finished and forgot it twice, and died."""
+    llm = request.getfixturevalue(client)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def read(request_id, *aborts):
+        outputs = []
+        async for output in llm.generate({"prompt_token_ids": PROMPT}, params, request_id):
+            for abort in aborts if not outputs else ():
+                await llm.abort(abort)
+            outputs.append(output)
+        return outputs
+
+    one_child = asyncio.run(read("three", "1_three"))
+    assert [output.finished for output in one_child] == [False] * (len(one_child) - 1) + [True]
+    assert [c.finish_reason for c in one_child[-1].outputs] == ["length", "abort", "length"]
+    assert [sum(len(o.outputs[i].token_ids) for o in one_child) for i in (0, 2)] == [100, 100]
+    twice = asyncio.run(read("twice", "twice", "twice"))
+    assert [output.finished for output in twice][-1] and sum(output.finished for output in twice) == 1
+    assert [c.finish_reason for c in twice[-1].outputs] == ["abort"] * 3
+    llm.check_health()
+    wait_idle(llm)
+
+
 def _exit_now(engine):
     os._exit(3)
 
