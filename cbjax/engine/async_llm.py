@@ -21,7 +21,7 @@ from cbjax.engine.llm_engine import LLMEngine, Prompt
 from cbjax.engine.process_client import ProcessCoreClient
 from cbjax.engine.request_book import tokenize_request
 from cbjax.outputs import RequestOutput
-from cbjax.sampling_params import RequestOutputKind, SamplingParams
+from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
 
 
@@ -88,8 +88,6 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs), priority)
-        # The engine shapes outputs by kind; a FINAL_ONLY request may still get one every step (the metrics read them).
-        final_only = sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
         finished = False
         try:
             while not finished:
@@ -98,8 +96,7 @@ class AsyncLLM:
                     finished = True  # rejected or engine dead: nothing to abort
                     raise item
                 finished = item.finished
-                if finished or not final_only:
-                    yield item
+                yield item  # shaped by its output kind (FINAL_ONLY: the last alone)
         finally:
             if not finished:  # the caller left early (cancelled, closed, disconnected)
                 self.core.abort_request(request_id)
