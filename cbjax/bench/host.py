@@ -25,6 +25,8 @@ Variants: greedy alone; + penalties (presence, frequency, repetition: the token 
 --finish staggered spreads the output lengths evenly over [output_len / 2, 3 * output_len / 2): the
 requests leave one after another, as in continuous batching, and every decode step is measured
 (from all --num-running of them down to a few), not only those of the whole batch.
+--stat-logger attaches `cbjax serve`'s Prometheus stat logger; the steps then come, with --engine-process
+off, from the engine-core thread a server runs (ThreadCoreClient), not from this thread's loop.
 --prefix-caching-hash-algos sha256 builtin: the prefix cache's block hashes side by side in one engine.
 A request hashes a block when it fills one (every --block-size steps), so that cost shows in the mean
 host CPU per step (mean_host_cpu_ms_per_step), hardly in the median.
@@ -110,6 +112,31 @@ def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len
     arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
     core.add_requests([(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put, 0)  # all before a step
                        for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish))])
+    finished, elapsed = wait_finished(arrived, num_running)
+    return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | setting_of(
+        core.engine_config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "on",
+        hash_algo, prompt_len, output_len)
+
+
+def run_host_in_thread(client: Any, timeline: Any, num_running: int, prompt_len: int, output_len: int, variant: str,
+                       delay_s: float, async_scheduling: str = "on", output_kind: str = "final_only",
+                       finish: str = "together", hash_algo: str = "sha256") -> dict[str, Any]:
+    """run_host through the engine-core thread of `cbjax serve --no-engine-process` (`client`, a
+    ThreadCoreClient over a stand-in engine, with its stat loggers): this thread only waits."""
+    engine = client.engine
+    passage = engine.tokenizer.encode(PASSAGE)
+    _start_run(engine, delay_s, async_scheduling, hash_algo, timeline)  # (the core thread is idle: it waits for a command)
+    arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish)):
+        client.add_request(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put)
+    finished, elapsed = wait_finished(arrived, num_running)
+    return measure(timeline.steps, finished, elapsed, num_running, finish) | setting_of(
+        engine.config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "off",
+        hash_algo, prompt_len, output_len)
+
+
+def wait_finished(arrived: queue.SimpleQueue, num_running: int) -> tuple[list[Any], float]:
+    """The finished outputs of `num_running` requests as they arrive, and the seconds they took."""
     finished = []
     start = time.perf_counter()
     while len(finished) < num_running:
@@ -118,10 +145,16 @@ def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len
             raise item
         if item.finished:
             finished.append(item)
-    elapsed = time.perf_counter() - start
-    return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | setting_of(
-        core.engine_config.max_model_len, variant, output_kind, num_running, finish, delay_s, async_scheduling, "on",
-        hash_algo, prompt_len, output_len)
+    return finished, time.perf_counter() - start
+
+
+def prometheus_stat_logger(config: Any) -> Any:
+    """`cbjax serve`'s stat logger (what its /metrics shows), on a registry of its own."""
+    from prometheus_client import CollectorRegistry
+
+    from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
+
+    return PrometheusStatLogger(CollectorRegistry(), "bench", config)
 
 
 def setting_of(max_model_len: int, variant: str, output_kind: str, num_running: int, finish: str, delay_s: float,
@@ -213,16 +246,22 @@ def build_standin_core(args: argparse.Namespace, max_model_len: int) -> Any:
 
 
 def cmd_host(args: argparse.Namespace) -> None:
+    from cbjax.engine.core_client import ThreadCoreClient
     from cbjax.engine.process_client import ProcessCoreClient
 
     runs = []
     for max_model_len in args.max_model_lens:
         runners = {}  # by --engine-process: one run of the sweep's settings
+        stat_loggers = [prometheus_stat_logger] if args.stat_logger else []
         if "off" in args.engine_process:
             engine, timeline = build_standin_engine(args, max_model_len)
             runners["off"] = functools.partial(run_host, engine, timeline)
+            if stat_loggers:  # steps from the core thread a server runs, as the server's
+                thread = ThreadCoreClient(engine, [make(engine.config) for make in stat_loggers])
+                thread.start()
+                runners["off"] = functools.partial(run_host_in_thread, thread, timeline)
         if "on" in args.engine_process:
-            core = ProcessCoreClient(build_standin_core, (args, max_model_len))
+            core = ProcessCoreClient(build_standin_core, (args, max_model_len), stat_loggers)
             core.start()
             runners["on"] = functools.partial(run_host_in_process, core)
         for run in runners.values():  # warm-up
@@ -242,6 +281,8 @@ def cmd_host(args: argparse.Namespace) -> None:
                                 print_table(runs[-1:], KEYS)
         if "on" in runners:
             core.shutdown(timeout=30)
+        if "off" in runners and stat_loggers:
+            thread.shutdown(timeout=30)
     medians = medians_by_setting(runs)
     print(f"\nmedians over {args.repeats} repeat(s):")
     print_table(medians, [*SETTING, *TIMES])
@@ -270,6 +311,9 @@ def add_host_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the whole sweep")
+    p.add_argument("--stat-logger", action=argparse.BooleanOptionalAction, default=False,
+                   help="attach `cbjax serve`'s Prometheus stat logger (with --engine-process off the steps then "
+                        "run in the core thread the server runs); default: none, as LLM.generate")
     p.add_argument("--result-json", default=None)
     # The stand-in never reads the weights or the pool: keep them small (the call still passes them all).
     p.set_defaults(func=cmd_host, dtype="bfloat16", kv_cache_dtype="float16", max_num_seqs=1)

@@ -147,6 +147,20 @@ def test_bench_host_with_the_engine_core_in_its_own_process(checkpoint, tmp_path
         assert 0 <= run["host_ms_per_step"] <= run["wall_ms_per_step"]
 
 
+def test_bench_host_with_a_stat_logger_runs_the_steps_in_the_servers_core_thread(checkpoint, tmp_path):
+    """--stat-logger (issue 35): `cbjax serve`'s Prometheus logger attached, the steps come from a
+    core thread as the server's; every request still runs to its length and is measured."""
+    path = tmp_path / "host.json"
+    main([
+        "bench", "host", "--model", checkpoint, "--num-running", "4", "--max-model-lens", "128", "--delays-ms", "0",
+        "--variants", "greedy", "--output-kinds", "final_only", "--prompt-len", "8", "--output-len", "6",
+        "--stat-logger", "--result-json", str(path),
+    ])
+    (run,) = json.loads(path.read_text())["runs"]
+    assert run["num_output_tokens"] == 24 and run["finish_reasons"] == ["length"]
+    assert run["num_measured_steps"] > 0 and 0 <= run["host_ms_per_step"] <= run["wall_ms_per_step"]
+
+
 def test_bench_host_runs_the_block_hashes_side_by_side_in_one_engine(checkpoint, tmp_path):
     """--prefix-caching-hash-algos sha256 builtin (issue 35): both hashes alternate in one engine, each
     run's setting names the one its pool used, and the outputs are the same."""
