@@ -12,17 +12,13 @@ falls behind). Whatever the order: nothing raises, each request gets exactly one
 
 from __future__ import annotations
 
-import json
 import pickle
 
-import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tiny_checkpoint import make_tiny_checkpoint
+from test_async_scheduling import assert_all_released, engine  # noqa: F401 (its module fixture: a tiny engine whose pool preempts)
 
 from cbjax import RequestOutputKind, SamplingParams
-from cbjax.config import EngineConfig
-from cbjax.core.engine_core import EngineCore
 from cbjax.core.engine_core_proc import EngineCoreProc, _apply
 from cbjax.core.protocol import empty_progress
 from cbjax.engine.frontend import Frontend
@@ -30,18 +26,9 @@ from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.parallel_sampling import child_request_ids
 from cbjax.outputs import RequestOutput
 
-EOS_TOKEN_IDS = [2, 229]  # 229 is among the tiny model's likely tokens: some children end on EOS
-MAX_MODEL_LEN = 32
-# 4 seats for up to 4 requests of 3 children: children wait, are held for child 0's prompt, are preempted.
-OPTIONS = dict(max_num_seqs=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16, block_size=4, num_kv_blocks=16)
+# The engine: test_async_scheduling's, 4 seats and 20 blocks of 4 tokens, EOS among the likely tokens. Up to
+# 4 requests of 3 children: children wait, are held for child 0's prompt, are preempted.
 MAX_STEPS = 200  # a workload's last request ends within max_tokens steps of its admission; far below this
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    _, checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("aborts"), "llama")
-    (checkpoint / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": EOS_TOKEN_IDS}))
-    return LLMEngine(EngineConfig(model=str(checkpoint), **OPTIONS), progress=False)
 
 
 @st.composite
@@ -87,15 +74,6 @@ def check_outputs(requests: list, outputs: list[RequestOutput]) -> None:
         completions = finals[request_id(index)].outputs
         assert [c.index for c in completions] == list(range(params.n))
         assert all(c.finish_reason in ("stop", "length", "abort") for c in completions), completions
-
-
-def assert_core_idle(core: EngineCore) -> None:
-    """Every block free and consistent, nothing held for a request."""
-    manager = core.block_manager
-    assert manager.num_free_blocks == manager.num_usable_blocks
-    manager.check_invariants([])
-    assert core.in_flight is None and not core.scheduler.has_unfinished_requests()
-    assert core.runner.slots.num_held == 0
 
 
 def serve_in_process(engine: LLMEngine, requests: list, actions: list) -> list[RequestOutput]:
@@ -204,8 +182,8 @@ def test_aborts_in_any_order_leave_one_final_output_and_free_blocks(engine, work
     engine.config.async_scheduling = async_scheduling
     try:
         check_outputs(requests, serve_in_process(engine, requests, actions))
-        assert_core_idle(engine.core)
+        assert_all_released(engine)
         check_outputs(requests, serve_behind_pipe(engine, requests, actions))
-        assert_core_idle(engine.core)
+        assert_all_released(engine)
     finally:
         engine.config.async_scheduling = True  # the module's engine is shared: a failure must not leak the mode
