@@ -66,13 +66,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids with the model's own BOS/EOS behaviour, like `AutoTokenizer(...)(text)["input_ids"]`.
 
-        encode_batch, unlike encode, lets go of the GIL while it works: a server tokenizing a long
-        prompt in a thread keeps streaming meanwhile."""
-        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
+        encode_batch_fast, unlike encode, lets go of the GIL while it works, and tracks no offsets,
+        so the Encoding it makes is also quick to free (freeing holds the GIL): a server tokenizing
+        a long prompt in a thread keeps streaming meanwhile (test_server_limits measures the stall)."""
+        return self.backend.encode_batch_fast([text], add_special_tokens=True)[0].ids
 
     def encode_chat(self, rendered_chat: str) -> list[int]:
         """Ids of a rendered chat: the template already wrote any BOS, so none is added (as transformers does)."""
-        return self.backend.encode_batch([rendered_chat], add_special_tokens=False)[0].ids
+        return self.backend.encode_batch_fast([rendered_chat], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
