@@ -297,11 +297,30 @@ async def soak(server: ServerProcess, args: argparse.Namespace) -> dict:
     }
 
 
-def run_mode(args: argparse.Namespace, engine_process: bool) -> dict:
-    log = Path(args.log_dir) / f"soak-server-{'process' if engine_process else 'thread'}.log"
-    server = ServerProcess(Path(args.model), log, "--served-model-name", "soak", "--max-num-seqs", str(args.max_num_seqs),
+def start_server(args: argparse.Namespace, engine_process: bool, tool: str) -> tuple[ServerProcess, Path]:
+    """`cbjax serve` with the command's engine flags; its log goes to --log-dir, named by tool and core mode."""
+    log = Path(args.log_dir) / f"{tool}-server-{'process' if engine_process else 'thread'}.log"
+    server = ServerProcess(Path(args.model), log, "--served-model-name", tool, "--max-num-seqs", str(args.max_num_seqs),
                            "--max-model-len", str(args.max_model_len),
                            "--engine-process" if engine_process else "--no-engine-process", *args.serve_flags.split())
+    return server, log
+
+
+def report(args: argparse.Namespace, run_mode, **facts) -> None:
+    """Run each core mode --engine-process names, print and write the JSON, exit 1 when anything failed."""
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.engine_process]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"command": " ".join(sys.argv), "commit": commit, "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs",
+              "model": args.model, **facts, "runs": [run_mode(args, engine_process) for engine_process in modes]}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.result_json:
+        Path(args.result_json).write_text(text + "\n")
+    sys.exit(1 if any(run["num_failures"] for run in result["runs"]) else 0)
+
+
+def run_mode(args: argparse.Namespace, engine_process: bool) -> dict:
+    server, log = start_server(args, engine_process, "soak")
     try:
         result = asyncio.run(soak(server, args))
     finally:
@@ -327,16 +346,7 @@ def main() -> None:
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--result-json")
     args = parser.parse_args()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.engine_process]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"command": " ".join(sys.argv), "commit": commit, "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs",
-              "model": args.model, "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
-              "runs": [run_mode(args, engine_process) for engine_process in modes]}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.result_json:
-        Path(args.result_json).write_text(text + "\n")
-    sys.exit(1 if any(run["num_failures"] for run in result["runs"]) else 0)
+    report(args, run_mode, max_num_seqs=args.max_num_seqs, max_tokens=args.max_tokens)
 
 
 if __name__ == "__main__":
