@@ -45,7 +45,7 @@ from cbjax.models.layers.mesh import MODEL_AXIS  # noqa: E402
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
 # once, so some are preempted and recomputed.
-KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920, "olmo2": 40960}
+KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920, "olmo2": 40960, "qwen3_moe": 81920, "mixtral": 40960}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
 # Seeded sampling: the first two rows take the devices' candidates under TP, the third (top-p alone)
@@ -129,6 +129,33 @@ def abstract_lowering(config: ModelConfig, tp: int) -> dict:
     return found
 
 
+def moe_logits(ckpt: Path, tp: int) -> dict:
+    """A mixture-of-experts model's float32 logits at every position of one prompt (prefilled in one mixed
+    step from a NaN pool), with its experts split over `tp` devices, and each expert kernel's shard shapes."""
+    from cbjax.checkpoint.loader import load_model
+    from cbjax.models.layers.attention import AttentionPlan
+    from cbjax.models.layers.kv_pool import init_kv_pool
+    from kernels_pallas import AttentionMetadata
+
+    tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp) if tp > 1 else None
+    model, config = load_model(ckpt, tensor_parallel=tensor_parallel)
+    graphdef, state = nnx.split(model)
+    block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
+    n = len(prompt)
+    pool = tuple(jnp.full_like(pages, jnp.nan) for pages in init_kv_pool(config, 8, block_size, jnp.float32))
+    if tensor_parallel is not None:
+        pool = jax.device_put(pool, tensor_parallel.pool_sharding)
+    metadata = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
+                                 query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
+                                 block_tables=jnp.arange(1, 8, dtype=jnp.int32)[None])
+    plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh)
+    step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
+        jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
+    experts = {param_name(path): sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})
+               for path, variable in nnx.to_flat_state(state) if ".experts." in param_name(path)}
+    return {"logits": np.asarray(step(state, pool)).tolist(), "expert_shard_shapes": experts}
+
+
 def sharded_sampling() -> dict:
     """The sampler on logits split over 4 devices' vocabulary slices against the one-device sampler,
     on the same random logits and seeds: greedy, top-k, top-k + top-p + min-p, top_k = k (candidate
@@ -197,17 +224,23 @@ def main() -> None:
     qwen2 = make_tiny_checkpoint(tmp / "qwen2", "qwen2")  # q/k/v biases, split and repeated with their columns
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
     olmo2 = make_tiny_checkpoint(tmp / "olmo2", "olmo2", num_key_value_heads=1)  # k_norm over a repeated KV head
+    # 8 experts, top 2; Qwen3-MoE's layer 1 dense (tests/helpers_hf.py)
+    moe = {family: make_tiny_checkpoint(tmp / family, family) for family in ("qwen3_moe", "mixtral")}
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
     # interpreted Pallas kernels serve the TP=2 run, the jnp reference one more TP=4 run.
     llama_tp2 = serve("llama", llama[1], 2, compiles, "pallas_interpret")
     result = {
-        "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0]), "olmo2": str(olmo2[0])},
+        "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0]), "olmo2": str(olmo2[0]),
+                    **{family: str(dirs[0]) for family, dirs in moe.items()}},
         "prompts": prompts(),
         "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles)},
         "qwen2": {4: serve("qwen2", qwen2[1], 4, compiles)},
         "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
         "olmo2": {4: serve("olmo2", olmo2[1], 4, compiles)},
+        "qwen3_moe": {2: serve("qwen3_moe", moe["qwen3_moe"][1], 2, compiles)},
+        "mixtral": {4: serve("mixtral", moe["mixtral"][1], 4, compiles)},
+        "moe_logits": {family: {tp: moe_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),
@@ -216,6 +249,10 @@ def main() -> None:
             "llama": {tp: abstract_lowering(ModelConfig.from_dir(llama[1]), tp) for tp in (2, 4)},
             # Llama-3-70B's shapes (64 heads, 8 KV heads, head_dim 128, vocab 128256), two of its 80 layers
             "llama-3-70b": {4: abstract_lowering(dataclasses.replace(load_model_config("llama-3-70b")[1], num_hidden_layers=2), 4)},
+            # The MoE presets' shapes, two of their layers (all sparse): 128 experts top 8, 8 experts top 2
+            **{preset: {4: abstract_lowering(dataclasses.replace(load_model_config(preset)[1], num_hidden_layers=2,
+                                                                 sparse_layers=(0, 1)), 4)}
+               for preset in ("qwen3-30b-a3b", "mixtral-8x7b")},
         },
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }

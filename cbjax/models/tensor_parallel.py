@@ -1,7 +1,8 @@
 """Which tensor-parallel sizes split a model, and the shape each device holds of a parameter.
 
 Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
-split by output columns, o and down by input rows (one all-reduce after each), the embedding and
+split by output columns, o and down by input rows (one all-reduce after each; each expert of a
+mixture-of-experts layer split the same way, tensor parallel within experts), the embedding and
 the LM head by vocabulary. When a model has fewer KV heads than devices, each KV head is
 replicated until every device holds one (as vLLM and tpu-inference do), so k/v and the KV pool
 take a full head per device. No JAX here: `cbjax plan` and the mesh building both use it.
@@ -35,6 +36,8 @@ def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int) -> 
         problems.append(f"num_key_value_heads={kv} neither divides by {n} nor divides {n} (for replication)")
     if config.intermediate_size % n:
         problems.append(f"intermediate_size={config.intermediate_size} is not divisible by {n}")
+    if config.num_experts and config.moe_intermediate_size % n:  # each expert is split like a dense MLP
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size} is not divisible by {n}")
     return problems
 
 
@@ -68,8 +71,8 @@ def shard_shape(
         return (*shape[:-1], per_device * config.head_dim)
     if module in plan.column_parallel:
         return (*shape[:-1], shape[-1] // n)
-    if module in plan.row_parallel and name == "kernel":
-        return (shape[0] // n, *shape[1:])
+    if module in plan.row_parallel and name == "kernel":  # [in, out], or a MoE layer's experts [E, in, out]
+        return (*shape[:-2], shape[-2] // n, shape[-1])
     if module == "embed_tokens":  # [vocab, hidden]; the vocabulary is padded up to a multiple of N
         return (math.ceil(shape[0] / n), *shape[1:])
     if module == "lm_head":  # [hidden, vocab]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_helpers import hf_greedy
 
@@ -35,7 +36,8 @@ def findings() -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4"), ("olmo2", "4")])
+@pytest.mark.parametrize(("arch", "tp"), [("llama", "2"), ("llama", "4"), ("qwen2", "4"), ("qwen3", "4"), ("olmo2", "4"),
+                                         ("qwen3_moe", "2"), ("mixtral", "4")])
 def test_greedy_outputs_equal_transformers(findings, arch, tp):
     # TP=4 runs the C++ CPU kernel per device; TP=2 the interpreted Pallas kernels
     # Prompts of 60/45/37 tokens are prefilled in chunks of at most 32, and the 20-block pool preempts.
@@ -56,6 +58,17 @@ def test_attention_backends_under_shard_map_greedy_equals_transformers(findings,
 
 def test_no_compiles_while_serving_under_tp(findings):
     assert findings["llama"]["4"]["compiles_while_serving"] == 0
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_experts_split_within_each_expert_give_tp1_logits(findings, family, tp):
+    runs, n = findings["moe_logits"][family], int(tp)
+    np.testing.assert_allclose(np.array(runs[tp]["logits"]), np.array(runs["1"]["logits"]), atol=1e-5, rtol=1e-5)
+    # 8 experts of inner width 32, hidden 64: gate/up split by output columns, down by input rows.
+    assert runs[tp]["expert_shard_shapes"]["model.layers.0.mlp.experts.gate_proj.kernel"] == [[8, 64, 32 // n]]
+    assert runs[tp]["expert_shard_shapes"]["model.layers.0.mlp.experts.up_proj.kernel"] == [[8, 64, 32 // n]]
+    assert runs[tp]["expert_shard_shapes"]["model.layers.0.mlp.experts.down_proj.kernel"] == [[8, 32 // n, 64]]
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])
@@ -144,6 +157,18 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 1 + 1,
             '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1}
     assert all(shardings == want for shardings in run["shardings"])
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_presets_lower_for_cuda_from_abstract_weights_with_experts_split(findings, preset):
+    run = findings["abstract_lowering"][preset]["4"]
+    assert run["failures"] == []
+    assert run["allocated_bytes"] == 0
+    assert run["partitions"] == [4] * len(run["shardings"]) and len(run["shardings"]) == 3
+    # Per layer: q/k/v columns, o rows, as the dense models; each expert's gate/up [E, hidden, inner] by
+    # columns and down [E, inner, hidden] by rows; the router [hidden, E] replicated.
+    assert all(shardings['[{}, {}, {"model"}]'] == 2 * 2 and shardings['[{}, {"model"}, {}]'] == 2
+               for shardings in run["shardings"])
 
 
 def test_refuses_what_cannot_work(findings):

@@ -90,12 +90,13 @@ class TensorParallel:
         """The partition spec of the parameter at dotted path `name`, of this shape."""
         parts = name.split(".")
         module, leaf = parts[-2], parts[-1]
+        stacked = (None,) * (len(shape) - 2) if leaf == "kernel" else ()  # a MoE layer's experts: [E, in, out]
         if module in self.plan.column_parallel:
-            return P(None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
+            return P(*stacked, None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
         if module == "lm_head" and self.shard_vocab:
             return P(None, MODEL_AXIS)
         if module in self.plan.row_parallel and leaf == "kernel":
-            return P(MODEL_AXIS, None)
+            return P(*stacked, MODEL_AXIS, None)
         if name == "model.embed_tokens.embedding" and self.shard_vocab:
             return P(MODEL_AXIS, None)
         if module == "tied_head" and shape[-1] % self.size == 0:
