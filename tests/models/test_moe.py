@@ -23,10 +23,19 @@ from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.convert import read_hf_params
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan
-from cbjax.models.layers.moe import MOE_MATMULS, SparseMoeBlock, route
+from cbjax.models.layers.moe import (
+    DEFAULT_MOE_MATMUL,
+    MOE_MATMUL_BY_PLATFORM,
+    MOE_MATMULS,
+    SparseMoeBlock,
+    experts_per_platform,
+    route,
+)
 from engine_helpers import hf_greedy
 from helpers_hf import hf_logits, load_hf_model, make_tiny_hf_model
-from test_model_parity import ATOL, NUM_REQS, RTOL, Loaded, Seq, nan_pools, pack, prefill, random_tokens
+from test_model_parity import ATOL, RTOL, Loaded, Seq, nan_pools, prefill, random_tokens
+# Run here on this module's `loaded` (each MoE family with each expert matmul): decode steps reading KV back from the pool.
+from test_model_parity import test_decode_steps_after_prefill_read_kv_back_from_pool  # noqa: F401
 from test_prefix_caching_engine import drain
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -109,24 +118,6 @@ def test_ragged_batch_logits_match_hf_with_every_expert_used(loaded):
         np.testing.assert_allclose(logits, hf_logits(loaded.hf_dir, seq.token_ids), atol=ATOL, rtol=RTOL)
 
 
-def test_decode_steps_after_prefill_match_hf(loaded):
-    rng = np.random.default_rng(2)
-    vocab = loaded.config.vocab_size
-    seqs = [Seq(random_tokens(rng, vocab, 6), blocks=[9, 4, 17]), Seq(random_tokens(rng, vocab, 3), blocks=[21, 6])]
-    continuations = [random_tokens(rng, vocab, 5) for _ in seqs]
-    _, kv_pool = prefill(loaded, seqs, nan_pools(loaded.config))
-    decoded = [[] for _ in seqs]
-    for step in range(5):
-        for seq, continuation in zip(seqs, continuations):
-            seq.token_ids.append(continuation[step])
-        token_ids, positions, metadata, _ = pack([(seq, 1) for seq in seqs], NUM_REQS)
-        logits, kv_pool = loaded.decode_step(kv_pool, token_ids, positions, metadata, jnp.arange(len(seqs)))
-        for i in range(len(seqs)):
-            decoded[i].append(np.asarray(logits[i]))
-    for seq, logits in zip(seqs, decoded):
-        np.testing.assert_allclose(np.stack(logits), hf_logits(loaded.hf_dir, seq.token_ids)[-5:], atol=ATOL, rtol=RTOL)
-
-
 # Chunks of at most 16 tokens, a pool of 13 usable blocks of 8 for prompts of 37 + 21 + 9 + 30 tokens and their
 # continuations (preempts), prefix caching on (the fourth prompt starts with the first's 24 tokens).
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16, block_size=8, num_kv_blocks=14,
@@ -165,3 +156,14 @@ def test_experts_fused_as_transformers_5_holds_them_convert_like_the_saved_per_e
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_each_platform_lowers_its_own_default_expert_matmul():
+    # XLA:CPU runs dense-masked faster at the engine's step shapes (benchmarks/moe_matmul.py); a GPU takes grouped.
+    x, gate, down = jnp.ones((8, 16)), jnp.ones((NUM_EXPERTS, 16, 8)), jnp.ones((NUM_EXPERTS, 8, 16))
+    weights, experts = route(jnp.ones((8, NUM_EXPERTS)), TOP_K, renormalize=True)
+    step = jax.jit(lambda *args: experts_per_platform(*args, out_dtype=jnp.float32))
+    lowered = {platform: step.trace(x, weights, experts, gate, gate, down).lower(lowering_platforms=(platform,)).as_text()
+               for platform in ("cpu", "cuda")}
+    assert MOE_MATMUL_BY_PLATFORM == {"cpu": "dense_masked"} and DEFAULT_MOE_MATMUL == "grouped"
+    assert "ragged_dot" not in lowered["cpu"] and "ragged_dot" in lowered["cuda"]

@@ -7,7 +7,9 @@ Two formulations of the experts' products, equal up to float rounding:
                   ids), then unsorted and summed with the routing weights: tokens x top_k rows.
   "dense_masked"  every expert on every token, weighted by a routing matrix that is zero off each
                   token's top k: tokens x num_experts rows, no sort or gather.
-MOE_MATMUL_BY_PLATFORM keeps the faster per platform, as benchmarks/moe_matmul.py measured it.
+MOE_MATMUL_BY_PLATFORM keeps the faster per platform, as benchmarks/moe_matmul.py measured it; the
+choice is made when the step is lowered (jax.lax.platform_dependent), so a step lowered for CUDA
+on a CPU machine (`cbjax lower`) takes the GPU's formulation.
 Under tensor parallelism every expert is split Megatron-style (gate/up by columns, down by rows)
 and each device runs its slice under shard_map, then one all-reduce (a psum) sums them.
 """
@@ -27,8 +29,10 @@ from cbjax.models.layers.attention import AttentionPlan
 from cbjax.models.layers.linear import linear
 from cbjax.models.layers.mesh import MODEL_AXIS
 
-# benchmarks/moe_matmul.py (BENCHMARKS.md, "Mixture-of-experts matmul").
-MOE_MATMUL_BY_PLATFORM = {"cpu": "grouped", "gpu": "grouped", "cuda": "grouped", "rocm": "grouped", "tpu": "grouped"}
+# XLA:CPU: dense-masked at every step shape of the tiny and small configs (benchmarks/moe_matmul.py,
+# BENCHMARKS.md "Mixture-of-experts matmul"). Other platforms: grouped, the fewer FLOPs (not yet measured).
+MOE_MATMUL_BY_PLATFORM = {"cpu": "dense_masked"}
+DEFAULT_MOE_MATMUL = "grouped"
 
 
 def route(
@@ -87,8 +91,12 @@ def experts_dense_masked(
 MOE_MATMULS = {"grouped": experts_grouped, "dense_masked": experts_dense_masked}
 
 
-def default_moe_matmul(platform: str) -> str:
-    return MOE_MATMUL_BY_PLATFORM.get(platform, "grouped")
+def experts_per_platform(*args, out_dtype: jnp.dtype) -> Float[Array, "tokens hidden"]:
+    """MOE_MATMUL_BY_PLATFORM's formulation for the platform the step is lowered for."""
+    per_platform = {platform: functools.partial(MOE_MATMULS[name], out_dtype=out_dtype)
+                    for platform, name in MOE_MATMUL_BY_PLATFORM.items()}
+    return jax.lax.platform_dependent(
+        *args, default=functools.partial(MOE_MATMULS[DEFAULT_MOE_MATMUL], out_dtype=out_dtype), **per_platform)
 
 
 class ExpertKernel(nnx.Module):
@@ -114,7 +122,7 @@ class SparseMoeBlock(nnx.Module):
                  moe_matmul: str | None = None):
         self.config = config
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
-        self.moe_matmul = moe_matmul  # None: the platform's default, chosen when the step is traced
+        self.moe_matmul = moe_matmul  # one of MOE_MATMULS; None: the platform's (MOE_MATMUL_BY_PLATFORM)
         self.gate = linear(config.hidden_size, config.num_experts, False, dtype, rngs, activation_dtype)
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
 
@@ -122,7 +130,7 @@ class SparseMoeBlock(nnx.Module):
         config = self.config
         weights, experts = route(self.gate(x, plan), config.num_experts_per_tok, config.norm_topk_prob)
         kernels = (self.experts.gate_proj.kernel[...], self.experts.up_proj.kernel[...], self.experts.down_proj.kernel[...])
-        matmul = functools.partial(MOE_MATMULS[self.moe_matmul or default_moe_matmul(jax.default_backend())],
+        matmul = functools.partial(experts_per_platform if self.moe_matmul is None else MOE_MATMULS[self.moe_matmul],
                                    out_dtype=self.activation_dtype)
         if plan.mesh is None:
             return matmul(x, weights, experts, *kernels).astype(x.dtype)
