@@ -6,7 +6,12 @@ rules of `models/tensor_parallel.py`; the pool's bytes per block are the registr
 `kv_cache_bytes_per_block`, and its size is `plan_num_blocks` given
 the device's published memory with the weights in use. Presets (cbjax/plan/presets/*.json) are the
 Hugging Face config.json files of meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-8B,
-Llama-3.1-70B and Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct.
+Llama-3.1-70B, Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct, and the mixture-of-experts
+Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1.
+
+A mixture-of-experts model counts every expert's weights in memory, and per token only the top-k
+experts' (its active parameters). Its decode roofline reads, per layer, the experts a batch of b
+tokens is expected to touch under uniform routing: num_experts x (1 - (1 - top_k / num_experts)^b).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class CapacityPlan:
     block_size: int
     gpu_memory_utilization: float
     weight_bytes_per_device: int
+    expert_bytes_per_device: int  # of weight_bytes_per_device, the experts' (0: a dense model)
+    parameters: int  # the whole model's
+    active_parameters: int  # those one token's forward uses (a MoE model: only its top-k experts)
     kv_heads_per_device: int
     kv_head_replicas: int  # devices holding each KV head (1: no replication)
     kv_bytes_per_token_per_device: int
@@ -83,14 +91,48 @@ def load_model_config(config_or_preset: str) -> tuple[str, ModelConfig]:
     return config_or_preset, ModelConfig.from_hf_config(json.loads(path.read_text()))
 
 
-def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int) -> int:
-    """Bytes of one device's shard of every parameter of `model` (a one-layer abstract model)."""
-    total = 0
+def layer_repeats(config: ModelConfig) -> tuple[int, ...]:
+    """How many of the model's layers each layer of its representative model stands for: the dense
+    layers, then (a mixture-of-experts model) the sparse ones."""
+    num_sparse = len(config.sparse_layers)
+    return (config.num_hidden_layers - num_sparse, num_sparse) if num_sparse else (config.num_hidden_layers,)
+
+
+def representative_model(config: ModelConfig, dtype: jnp.dtype) -> nnx.Module:
+    """The abstract model with one layer of each kind: dense, then (a MoE model) sparse."""
+    kinds = dataclasses.replace(config, num_hidden_layers=len(layer_repeats(config)),
+                                sparse_layers=(1,) if config.sparse_layers else ())
+    return nnx.eval_shape(lambda: model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def _parameter_shards(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int):
+    """(path, one device's elements of it, itemsize, how many of the model's layers hold it) per parameter of `model`."""
+    repeats = layer_repeats(config)
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         value = variable.get_value()
-        nbytes = math.prod(shard_shape(path, value.shape, config, tensor_parallel_size)) * value.dtype.itemsize
-        total += nbytes * (config.num_hidden_layers if "layers" in path else 1)
-    return total
+        count = repeats[path[path.index("layers") + 1]] if "layers" in path else 1
+        yield path, math.prod(shard_shape(path, value.shape, config, tensor_parallel_size)), value.dtype.itemsize, count
+
+
+def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, experts_only: bool = False) -> int:
+    """Bytes of one device's shard of every parameter (only the experts', if experts_only) of `model`
+    (representative_model)."""
+    return sum(size * itemsize * count for path, size, itemsize, count in _parameter_shards(model, config, tensor_parallel_size)
+               if not experts_only or "experts" in path)
+
+
+def parameter_counts(model: nnx.Module, config: ModelConfig) -> tuple[int, int]:
+    """(all parameters, those one token uses: of the experts only top_k of num_experts)."""
+    total = active = 0
+    for path, size, _, count in _parameter_shards(model, config, 1):
+        total += size * count
+        active += size * count * (config.num_experts_per_tok / config.num_experts if "experts" in path else 1)
+    return total, round(active)
+
+
+def expected_experts_read(config: ModelConfig, batch_size: int) -> float:
+    """The fraction of each sparse layer's experts a decode step of batch_size tokens reads, under uniform routing."""
+    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch_size if config.num_experts else 1.0
 
 
 class _PlannedDevice:
@@ -127,9 +169,10 @@ def plan_capacity(
     engine_config.resolve(config.max_position_embeddings)
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
-    one_layer = dataclasses.replace(config, num_hidden_layers=1)
-    model = nnx.eval_shape(lambda: model_class(one_layer)(one_layer, dtype=weight_dtype, rngs=nnx.Rngs(0)))
+    model = representative_model(config, weight_dtype)
     weights = weight_bytes_per_device(model, config, tensor_parallel_size)
+    expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True)
+    parameters, active_parameters = parameter_counts(model, config)
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
         fitting = [n for n in valid_tensor_parallel_sizes(config) if weight_bytes_per_device(model, config, n) < usable]
@@ -162,6 +205,9 @@ def plan_capacity(
         block_size=block_size,
         gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes_per_device=weights,
+        expert_bytes_per_device=expert_bytes,
+        parameters=parameters,
+        active_parameters=active_parameters,
         kv_heads_per_device=heads,
         kv_head_replicas=heads * tensor_parallel_size // config.num_key_value_heads,
         kv_bytes_per_token_per_device=kv_per_token,
@@ -172,7 +218,8 @@ def plan_capacity(
         context_len=context_len,
         roofline=tuple(
             decode_roofline(
-                b, weights, kv_per_token, context_len, device.bandwidth_bytes_per_s,
+                b, round(weights - expert_bytes * (1 - expected_experts_read(config, b))), kv_per_token, context_len,
+                device.bandwidth_bytes_per_s,
                 fits=b * -(-context_len // block_size) <= num_blocks - 1,
             )
             for b in ROOFLINE_BATCH_SIZES
@@ -183,7 +230,8 @@ def plan_capacity(
 def decode_roofline(
     batch_size: int, weight_bytes: int, kv_bytes_per_token: int, context_len: int, bandwidth: float, fits: bool
 ) -> RooflinePoint:
-    """A memory-bound decode step: every device reads its weight shard and the batch's KV once."""
+    """A memory-bound decode step: every device reads the weights it uses (of a MoE model, the experts the
+    batch routes to) and the batch's KV once."""
     bytes_read = weight_bytes + batch_size * context_len * kv_bytes_per_token
     step_s = bytes_read / bandwidth
     return RooflinePoint(batch_size, bytes_read, step_s * 1e3, batch_size / step_s, fits)
@@ -196,7 +244,10 @@ def format_plan(plan: CapacityPlan) -> str:
     lines = [
         f"{plan.model} on {n} x {device.description} ({gib(device.memory_bytes)}, "
         f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}, KV cache {plan.kv_cache_dtype}",
-        f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)",
+        f"parameters:                    {plan.parameters / 1e9:.2f} B"
+        + (f", {plan.active_parameters / 1e9:.2f} B active per token" if plan.active_parameters != plan.parameters else ""),
+        f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)"
+        + (f", experts {gib(plan.expert_bytes_per_device)}" if plan.expert_bytes_per_device else ""),
         f"KV heads per device:           {plan.kv_heads_per_device}",
     ]
     if plan.kv_head_replicas > 1:
@@ -214,7 +265,8 @@ def format_plan(plan: CapacityPlan) -> str:
         f"most concurrent tokens:        {plan.max_concurrent_tokens:,}",
         f"most concurrent sequences:     {plan.max_concurrent_seqs:,} of max_model_len={plan.max_model_len}",
         "",
-        f"decode roofline: per step each device reads its weights and the batch's KV at context length "
+        f"decode roofline: per step each device reads its weights (of experts, those the batch is expected to route "
+        f"to) and the batch's KV at context length "
         f"{plan.context_len}, at {device.bandwidth_bytes_per_s / 1e12:.3g} TB/s (memory-bound; no compute, "
         f"all-reduce or host time)",
         f"{'batch':>6} {'GiB read/device':>15} {'step ms':>8} {'tokens/s':>10}",

@@ -104,3 +104,37 @@ def test_cli_prints_the_llama3_70b_plan_on_eight_h200s(capsys):
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     # Batch 1: the 17.64 GB shard plus 8192 * 40,960 bytes of KV at 4.8 TB/s.
     assert float(rows[0][2]) == pytest.approx((17_640_734_720 + 8192 * 40_960) / 4.8e12 * 1e3, abs=0.01)
+
+
+def test_qwen3_30b_a3b_counts_every_expert_in_memory_and_top_8_of_128_per_token():
+    p = plan("qwen3-30b-a3b", "h100", 4, max_model_len=8192)
+    # Per layer and device: q and o 2048 x 4096 / 4; 1 of the 4 KV heads (k, v 2048 x 128); q/k norms (128),
+    # the router (2048 x 128) and two norms (2048) replicated; 128 experts' gate/up/down 2048 x 768 / 4.
+    experts = 128 * 3 * 2048 * 768 // 4
+    per_layer = 2 * 2048 * 4096 // 4 + 2 * 2048 * 128 + 2 * 128 + 2048 * 128 + 2 * 2048 + experts
+    assert p.weight_bytes_per_device == 2 * (48 * per_layer + 2 * 151936 // 4 * 2048 + 2048) == 15_285_252_096
+    assert p.expert_bytes_per_device == 2 * 48 * experts
+    # Qwen3-30B-A3B's 30.5 B parameters, 3.3 B active: per layer 8 of the 128 experts.
+    layer = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2048 * 128 + 2 * 2048
+    assert p.parameters == 48 * (layer + 128 * 3 * 2048 * 768) + 2 * 151936 * 2048 + 2048 == 30_532_122_624
+    assert p.active_parameters == 48 * (layer + 8 * 3 * 2048 * 768) + 2 * 151936 * 2048 + 2048 == 3_353_032_704
+    # Batch 1 reads its 8 experts of 128 in each layer; batch 256 nearly all of them.
+    one, last = p.roofline[0], p.roofline[-1]
+    assert one.bytes_read == round(p.weight_bytes_per_device - p.expert_bytes_per_device * 120 / 128) + 8192 * p.kv_bytes_per_token_per_device
+    assert last.bytes_read == pytest.approx(p.weight_bytes_per_device + 256 * 8192 * p.kv_bytes_per_token_per_device, rel=1e-6)
+
+
+def test_mixtral_8x7b_is_46_7_b_parameters_12_9_b_active():
+    p = plan("mixtral-8x7b", "h200", 2, max_model_len=8192)
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 8 + 2 * 4096  # attention, router, norms
+    experts = 8 * 3 * 4096 * 14336
+    assert p.parameters == 32 * (layer + experts) + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    assert p.active_parameters == 32 * (layer + experts // 4) + 2 * 32000 * 4096 + 4096 == 12_879_925_248
+    assert p.expert_bytes_per_device == 2 * 32 * experts // 2
+
+
+def test_cli_prints_total_and_active_parameters_of_a_moe_preset(capsys):
+    main(["plan", "--config", "mixtral-8x7b", "--device", "h200", "--tensor-parallel-size", "2"])
+    out = capsys.readouterr().out
+    assert "parameters:                    46.70 B, 12.88 B active per token" in out
+    assert "experts 42.00 GiB" in out
