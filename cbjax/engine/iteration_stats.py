@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cbjax.core.request import Request
-from cbjax.engine.parallel_sampling import ParentRequest, child_request_ids
+from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.outputs import RequestOutput
 
 
@@ -70,7 +70,7 @@ class _StepTime:
 class IterationStatsCollector:
     def __init__(self, parents: dict[str, ParentRequest]):
         self.parents = parents  # the book's: child request id -> parent
-        self.latest_token_step: dict[str, _StepTime] = {}  # by child request id, until its parent finishes
+        self.latest_token_step: dict[str, _StepTime] = {}  # by child request id, until the book forgets its parent
         self._start_step()
 
     def _start_step(self) -> None:
@@ -109,11 +109,10 @@ class IterationStatsCollector:
         return iteration
 
     def finished(self, outputs: Iterable[RequestOutput], now: float) -> list[FinishedRequestStats]:
-        """The stats of the finished requests among `outputs` (made for the steps just ended), forgotten here."""
-        finished = []
-        for output in outputs:
-            if output.finished:
-                for child_id in child_request_ids(output.request_id, len(output.outputs)):
-                    self.latest_token_step.pop(child_id, None)
-                finished.append(FinishedRequestStats.of(output, now))
-        return finished
+        """The stats of the finished requests among `outputs` (made for the steps just ended)."""
+        return [FinishedRequestStats.of(output, now) for output in outputs if output.finished]
+
+    def forget(self, parent: ParentRequest) -> None:
+        """A request the book forgets (finished, failed or refused): its completions get no more tokens."""
+        for child in parent.children:
+            self.latest_token_step.pop(child.request_id, None)

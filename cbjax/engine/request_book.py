@@ -68,6 +68,8 @@ class RequestBook:
         del self.requests[parent.request_id]
         for child in parent.children:
             del self.parents[child.request_id]
+        if self.iteration_stats is not None:
+            self.iteration_stats.forget(parent)
 
     def progressed(
         self, sampled: SampledTokens, finished_now: list[Request], stop: Callable[[Request], None],

@@ -144,6 +144,7 @@ def test_ttft_and_e2e_count_each_finished_request_once(engine):
                 if request_id == "left" and len(outputs[request_id]) == 1:
                     client.abort_request(request_id)  # the caller leaves after its first output
         client.shutdown(timeout=60)
+        assert engine.book.iteration_stats.latest_token_step == {}, "nothing kept of a finished request"
     finally:
         engine.book.iteration_stats = None
     tokens = {request_id: token_counts(outputs[request_id], params.output_kind) for request_id, (_, params) in requests.items()}
