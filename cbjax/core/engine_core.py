@@ -39,6 +39,9 @@ class StepRunner(Protocol):
     def release_request(self, request_id: str) -> None:
         """Free what the runner holds for a finished or aborted request."""
 
+    # (request id, why) of requests whose rows `dispatch` could not write: the core finishes them.
+    failed_requests: list[tuple[str, str]]
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: StepRunner, model_config: Any, platform: str):
@@ -60,6 +63,7 @@ class EngineCore:
         # What each request is checked against; a front end in another process gets them too.
         self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
                                     runner.max_suppressed_ids, config.scheduling_policy)
+        self.failed: list[tuple[Request, str]] = []  # requests the runner could not prepare (take_failed)
         self.num_steps = 0
         self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet
         self.last_step_num_tokens = 0  # tokens of the step the latest step() launched (prompt chunks + decodes)
@@ -98,6 +102,21 @@ class EngineCore:
             self.runner.release_request(request_id)
         return request
 
+    def _fail_requests(self) -> None:
+        """Finish, and free, each request the runner could not prepare (a value its rows cannot
+        hold): a step in flight skips its row, as an abort's; take_failed gives them to the front end."""
+        failed = self.runner.failed_requests
+        while failed:
+            request_id, why = failed.pop(0)
+            request = self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                self.failed.append((request, why))
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """The requests failed since the last call, each with why: its caller's ValueError."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
@@ -120,6 +139,8 @@ class EngineCore:
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
         self.num_steps += launched is not None
+        if self.runner.failed_requests:  # rows it could not write: their requests fail, the step goes on
+            self._fail_requests()
         if self.in_flight is not None or self._overlaps():  # a step in flight is always read before this one
             launched, self.in_flight = self.in_flight, launched
         return NOTHING_READ if launched is None else self._update(launched)

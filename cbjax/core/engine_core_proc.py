@@ -73,6 +73,8 @@ class EngineCoreProc:
         """One core step as the front end reads it (see protocol.py)."""
         core = self.core
         step = core.step()
+        if core.failed:  # completions it could not prepare: their requests fail (the front end finds the parent)
+            self.rejected += [(request.request_id, why) for request, why in core.take_failed()]
         if step.sampled is None:
             return self._unsent(empty_progress(core.get_stats(), num_step_tokens=core.last_step_num_tokens))
         rows = step.sampled.sampling_requests

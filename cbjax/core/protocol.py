@@ -37,7 +37,8 @@ class ChildState(NamedTuple):
 class StepProgress:
     """One engine-core step, in the order the core applied it."""
 
-    rejected: list[tuple[str, str]]  # (request id, why): adds the core refused (ValueError's message)
+    # (request id, why): adds the core refused, and completions (by child id) it could not prepare
+    rejected: list[tuple[str, str]]
     aborted: list[ChildState]  # children of the requests aborted before the step's tokens were read
     row_ids: list[str] | None  # the step's sampling rows' request ids (None: the previous step's), then
     skipped: list[int]  # rows of requests finished before the step was read: no token for them

@@ -169,6 +169,9 @@ class ThreadCoreClient:
             sink = self.sinks.pop(output.request_id, None) if output.finished else self.sinks.get(output.request_id)
             if sink is not None:
                 deliveries.append((sink, output))
+        for request_id, error in self.engine.take_failed():  # requests the core could not prepare
+            if (sink := self.sinks.pop(request_id, None)) is not None:
+                deliveries.append((sink, error))
         deliver_all(deliveries)
         if self.stat_loggers:
             iteration_stats = self.engine.book.iteration_stats

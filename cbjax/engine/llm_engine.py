@@ -40,6 +40,7 @@ class LLMEngine:
         # Abort ids may arrive from any thread; deque appends and pops are atomic, and step() applies
         # them between device steps, so an abort never lands inside a step.
         self.pending_aborts: collections.deque[str] = collections.deque()
+        self.failed: list[tuple[str, ValueError]] = []  # requests the core could not prepare (take_failed)
 
     # The core's parts, for benchmarks and tests that look inside.
     runner = property(lambda self: self.core.runner)
@@ -90,6 +91,8 @@ class LLMEngine:
         the requests that progressed, and of those aborted since the last step."""
         aborted = self._apply_aborts()
         step = self.core.step()
+        if self.core.failed:
+            self._fail_requests()
         outputs = [self.book.finish(parent) for parent in aborted] if aborted else []
         if step.sampled is not None:
             outputs += self._record(step)
@@ -107,6 +110,23 @@ class LLMEngine:
                 if parent.finished:
                     finished[parent.request_id] = parent
         return list(finished.values())
+
+    def _fail_requests(self) -> None:
+        """Requests one of whose completions the core could not prepare: their other completions are
+        aborted, and each fails with a ValueError that take_failed gives its caller; no output."""
+        for child, why in self.core.take_failed():
+            parent = self.book.parents.get(child.request_id)
+            if parent is None:  # (a sibling failed first)
+                continue
+            for sibling in parent.children:
+                self.core.abort_request(sibling.request_id)
+            self.book.finish(parent)  # (its output is dropped: the caller gets the ValueError)
+            self.failed.append((parent.request_id, ValueError(why)))
+
+    def take_failed(self) -> list[tuple[str, ValueError]]:
+        """(request id, error) of the requests failed since the last call (see _fail_requests)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _record(self, step: EngineCoreStep) -> list[RequestOutput]:
         """A core step's outputs (RequestBook.progressed says which requests have one)."""

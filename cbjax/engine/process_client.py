@@ -199,9 +199,8 @@ class ProcessCoreClient:
         with self._lock:
             progressed = {}
             for step in steps:
-                for request_id, why in step.rejected:
-                    self.frontend.reject(request_id)
-                    sink = self.sinks.pop(request_id, None)
+                for request_id, why in step.rejected:  # a request refused, or a completion that failed
+                    sink = self.sinks.pop(self.frontend.reject(request_id) or request_id, None)
                     if sink is not None:
                         deliveries.append((sink, ValueError(why)))
                 for parent, finished in self.frontend.apply(step):

@@ -100,12 +100,18 @@ class LLM:
                 engine.add_request(ids[-1], prompt, final_only[id(params)], priority=request_priority)
         except ValueError as error:
             # One bad prompt rejects the call (as in vLLM); the ones already queued are withdrawn, nothing leaks.
-            for request_id in ids[:-1]:
-                engine.abort_request(request_id)
-            while engine.has_unfinished_requests():
-                engine.step()
+            self._withdraw(ids[:-1])
             raise type(error)(f"prompt {len(ids) - 1} of {len(prompts)}: {error}; no prompt of this call was run") from error
         return self._run(ids, use_tqdm)
+
+    def _withdraw(self, ids: list[str]) -> None:
+        """Abort these requests and step until the engine has let go of them (and of every block)."""
+        engine = self.llm_engine
+        for request_id in ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.take_failed()  # (any of them that failed meanwhile is withdrawn all the same)
 
     def chat(
         self,
@@ -137,4 +143,10 @@ class LLM:
                         num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
                         bar.update(1)
                         bar.set_postfix(out_tok_s=f"{num_output_tokens / (time.perf_counter() - start):.1f}")
+                failed = [(request_id, error) for request_id, error in engine.take_failed() if request_id in wanted]
+                if failed:  # a prompt the engine could not prepare fails the call, as a bad one does when added
+                    self._withdraw([request_id for request_id in ids if request_id not in finished])
+                    request_id, error = failed[0]
+                    raise ValueError(f"prompt {ids.index(request_id)} of {len(ids)}: {error}; "
+                                     "the call's other prompts were withdrawn") from error
         return [finished[request_id] for request_id in ids]

@@ -36,14 +36,16 @@ from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state, recor
 from cbjax.worker.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.worker.request_slots import RequestSlots
 from cbjax.worker.sample import bad_words, min_tokens
-from cbjax.worker.sample.sampler import (SamplerOutput, SamplingRow, SamplingTensors, assemble_sampling_tensors,
-                                        request_columns, sample)
+from cbjax.worker.sample.sampler import (RequestColumns, SamplerOutput, SamplingRow, SamplingTensors,
+                                        assemble_sampling_tensors, joining_request_columns, request_columns, sample)
 from cbjax.core.outputs import PromptLogprobsChunk, SampledTokens
+from cbjax.core.request import Request
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
 from cbjax.heap import release_free_heap
+from cbjax.sampling_params import SamplingParams
 from cbjax.models.layers.kv_pool import init_kv_pool
 from kernels_cpu import kernel_problem, kernel_registered, registration_deferred
 from cbjax.models.layers.attention import AttentionPlan, cpu_kernel_fallback
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 # Width of the per-row list of tokens forbidden while a request is under min_tokens (eos + stop ids).
 SUPPRESS_LEN = min_tokens.SUPPRESS_LEN
+# The sampling row of a request that failed as it joined: greedy, no stage (its token is never read).
+_NEUTRAL_COLUMNS = request_columns(SamplingParams(temperature=0.0), 0)
 
 
 @jax.tree_util.register_dataclass
@@ -174,6 +178,8 @@ class ModelRunner:
         # Each running request's sampling columns that do not change (sampler.request_columns; its seed
         # derived once, by request_seed): made when it first gets its slot, dropped with the slot.
         self.sampling_constants: dict[str, tuple] = {}
+        # (request id, why) of requests whose rows could not be written: the core finishes each alone.
+        self.failed_requests: list[tuple[str, str]] = []
         self.compiled: dict[Bucket, Any] = {}
         self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -596,9 +602,7 @@ class ModelRunner:
             if row.samples:
                 columns = self.sampling_constants.get(request_id)
                 if columns is None:
-                    seed = request_seed(self.config.seed, request_id, params.seed)
-                    columns = self.sampling_constants[request_id] = request_columns(
-                        params, seed, slot if params.has_penalties else NO_SLOT)
+                    columns = self.sampling_constants[request_id] = self._join(request, slot)
                 # The index of the token sampled now: the scheduler already counts it as a placeholder.
                 output_index = request.num_output_tokens + request.num_output_placeholders - 1
                 if columns.per_step:  # min_tokens, bad_words: columns that change every step
@@ -627,6 +631,20 @@ class ModelRunner:
         inputs.logits_indices[: len(sampling_rows)] = ends[samples] - 1  # compacted, as sampling_rows
         self._prepared = prepared_step(bucket, scheduled, inputs, starts, sampling_rows, bool(logprob_targets))
         return bucket, inputs
+
+    def _join(self, request: Request, slot: int) -> RequestColumns:
+        """A request's constant sampling columns, made when it first samples. One whose values the
+        columns cannot hold fails alone: its row samples as a neutral greedy row this step, and the
+        core finishes it with the error (failed_requests) while the others carry on."""
+        params = request.sampling_params
+        try:
+            seed = request_seed(self.config.seed, request.request_id, params.seed)
+            return joining_request_columns(params, seed, slot if params.has_penalties else NO_SLOT, request.eos_token_ids)
+        except Exception as error:  # noqa: BLE001 (whatever one request's values raise is that request's error)
+            logger.warning("request %s failed as it joined the batch: %r", request.request_id, error)
+            self.failed_requests.append((request.request_id, f"the engine could not prepare this request: its "
+                                         f"sampling parameters do not fit the sampler ({error!r})"))
+            return _NEUTRAL_COLUMNS
 
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""

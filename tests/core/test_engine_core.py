@@ -23,6 +23,7 @@ class StandInRunner:
     def __init__(self):
         self.launched = 0
         self.released: list[str] = []
+        self.failed_requests: list[tuple[str, str]] = []
 
     def dispatch(self, scheduled):
         self.launched += 1

@@ -102,6 +102,17 @@ def request_columns(params: SamplingParams, seed: int, penalty_slot: int = NO_SL
                           tuple(k for k, c in enumerate(_STEP_COLUMNS) if c.used_by(params)))
 
 
+def joining_request_columns(params: SamplingParams, seed: int, penalty_slot: int,
+                            eos_token_ids: Sequence[int]) -> RequestColumns:
+    """request_columns, written once into a row of their dtypes as the request's first step writes
+    them: a value a column cannot hold (an id beyond int32, say) raises here, for this request
+    alone, not inside a whole step's assemble_sampling_tensors."""
+    columns = request_columns(params, seed, penalty_slot)
+    first = SamplingRow(params, seed, 0, min_tokens.suppressed_ids(params, 0, eos_token_ids), penalty_slot)
+    assemble_sampling_tensors([columns], [0], {0: first} if columns.per_step else {}, 1)
+    return columns
+
+
 def assemble_sampling_tensors(
     constants: Sequence[RequestColumns], counters: Sequence[int], step_rows: dict[int, SamplingRow],
     num_rows_padded: int, suppress_len: int = min_tokens.SUPPRESS_LEN,

@@ -82,7 +82,8 @@ def _top_k_top_p(scaled: Float[Array, "S V"], top_k: Int[Array, "S"], top_p: Flo
 def apply_top_k_top_p(scaled: Float[Array, "S V"], t) -> Float[Array, "S V"]:
     """Only random rows (temperature > 0) filter; the whole stage runs only when some row uses it."""
     is_random = t.temperature > 0
-    top_k = jnp.where(is_random, t.top_k, 0)
+    # As vLLM clamps top_k to the vocabulary: a top_k of the vocabulary or more keeps every token (off).
+    top_k = jnp.where(is_random & (t.top_k < scaled.shape[-1]), t.top_k, 0)
     top_p = jnp.where(is_random, t.top_p, 1.0)
     uses_top_k_top_p = jnp.any((top_k > 0) | (top_p < 1.0))
     return jax.lax.cond(uses_top_k_top_p, _top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
@@ -91,8 +92,7 @@ def apply_top_k_top_p(scaled: Float[Array, "S V"], t) -> Float[Array, "S V"]:
 STAGE = Stage(
     "top_k_top_p",
     (
-        # 0 = off. A top_k at or beyond the vocabulary keeps every token (vLLM clamps it to the
-        # vocabulary); any larger value means the same, so it is clamped to what int32 holds.
+        # 0 = off, as is a top_k of the vocabulary or more (apply_top_k_top_p): larger ones fit int32 clamped.
         Column("top_k", np.int32, 0, lambda row: min(row.params.top_k, np.iinfo(np.int32).max)),
         Column("top_p", np.float32, 1.0, lambda row: row.params.top_p),  # 1 = off
     ),

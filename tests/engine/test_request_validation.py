@@ -1,0 +1,133 @@
+"""One request cannot bring the engine down (issue 35, defect 1): values the sampler's columns cannot
+hold are refused when the request arrives, and a request the runner still cannot prepare fails
+alone, its error to its caller, while its neighbours finish with transformers' tokens and every KV
+block comes back."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from engine_helpers import ENGINE_OPTIONS, hf_greedy
+from tiny_llm import llm, tiny  # noqa: F401 (module fixtures: one tiny engine for the session)
+
+from cbjax import SamplingParams
+from cbjax.core.engine_core_proc import build_engine_core
+from cbjax.engine.process_client import ProcessCoreClient
+from cbjax.worker import model_runner
+from cbjax.worker.sample import sampler
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 8, 61], [11, 12, 13, 14, 15, 16]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+MARKED_TOP_P = 0.875  # a request with this top_p is one whose sampling row cannot be written (a stage's writer raises)
+MARKED = SamplingParams(temperature=1.0, top_p=MARKED_TOP_P, max_tokens=6, n=2)
+
+
+def fail_marked_requests(patch) -> None:
+    """`patch(module, name, value)` the runner's column writer to raise for MARKED requests alone."""
+    real = sampler.request_columns
+
+    def fails_if_marked(params, seed, penalty_slot=sampler.NO_SLOT):
+        if params.top_p == MARKED_TOP_P:
+            raise OverflowError("Python int too large to convert to C long")
+        return real(params, seed, penalty_slot)
+
+    patch(sampler, "request_columns", fails_if_marked)
+    patch(model_runner, "request_columns", fails_if_marked)
+
+
+def build_core_failing_marked_requests(options):
+    """The engine-core process's core (build_engine_core), its column writer failing MARKED requests."""
+    core = build_engine_core(options, progress=False)
+    fail_marked_requests(setattr)
+    return core
+
+
+def assert_everything_freed(engine) -> None:
+    stats = engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "every KV block is back in the pool"
+    assert not engine.runner.sampling_constants and engine.runner.slots.num_held == 0, "every request slot is free"
+
+
+def run(engine) -> dict[str, list[int]]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    return finished
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop_token_ids", [8589934592]),  # held back under min_tokens: an int32 column
+    ("temperature", 10**400),  # not even a float
+    ("logit_bias", {5: 10**400}),
+])
+def test_a_request_the_runner_cannot_prepare_fails_alone(llm, tiny, field, value):  # noqa: F811
+    """The bad value is put in after the checks (as a bug in them would let it through): before issue
+    35 the runner's OverflowError left EngineCore.step and killed the engine loop."""
+    engine = llm.llm_engine
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"good{index}", {"prompt_token_ids": prompt}, GREEDY)
+    engine.add_request("bad", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0.5, min_tokens=2, max_tokens=6, n=2, seed=1))
+    for child in engine.book.requests["bad"].children:  # frozen: past the checks, as only a bug would be
+        object.__setattr__(child.sampling_params, field, value)
+    outputs = run(engine)
+    ((request_id, error),) = engine.take_failed()
+    assert request_id == "bad" and isinstance(error, ValueError)
+    assert "could not prepare this request" in str(error)
+    assert "bad" not in outputs and "bad" not in engine.book.requests
+    for index, prompt in enumerate(PROMPTS):
+        assert outputs[f"good{index}"] == hf_greedy(tiny[0], prompt, 6)
+    assert_everything_freed(engine)
+
+
+def test_generate_fails_the_call_for_a_prompt_the_runner_cannot_prepare(llm, monkeypatch):  # noqa: F811
+    """LLM.generate: a prompt whose sampling row cannot be written (one stage's writer raising, for one
+    request) fails the call with its error, as a bad prompt does when it is added; nothing leaks, and
+    the engine serves the next call."""
+    fail_marked_requests(monkeypatch.setattr)
+    params = [GREEDY, MARKED, GREEDY]
+    with pytest.raises(ValueError, match=r"prompt 1 of 3: .*OverflowError.*the call's other prompts were withdrawn"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_everything_freed(llm.llm_engine)
+    monkeypatch.undo()
+    (output,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 6
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(llm):  # noqa: F811
+    """vLLM clamps top_k to the vocabulary: a top_k of 3e9 or of 300 digits samples exactly as no
+    top_k (the same seeded draws), where before it wrapped negative in int32 or raised in the sampler."""
+    def sample(top_k):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=7, max_tokens=8, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                               use_tqdm=False)]
+    unlimited = sample(0)
+    assert sample(3_000_000_000) == unlimited
+    assert sample(10**300) == unlimited
+
+
+def test_in_engine_process_mode_a_request_the_core_cannot_prepare_fails_alone(tiny):  # noqa: F811
+    """The core in its own process: the failed request's caller gets a ValueError (as for a request
+    the core refused), its neighbours transformers' tokens, and every block comes back."""
+    client = ProcessCoreClient(build_core_failing_marked_requests, ({"model": str(tiny[1]), **ENGINE_OPTIONS},))
+    client.start()
+    try:
+        received: queue.SimpleQueue = queue.SimpleQueue()
+        for index, prompt in enumerate(PROMPTS):
+            client.add_request(f"good{index}", {"prompt_token_ids": prompt}, GREEDY,
+                               lambda item, index=index: received.put((f"good{index}", item)))
+        client.add_request("bad", {"prompt_token_ids": PROMPTS[0]}, MARKED, lambda item: received.put(("bad", item)))
+        results = {}
+        while len(results) < len(PROMPTS) + 1:
+            request_id, item = received.get(timeout=60)
+            if isinstance(item, BaseException) or item.finished:
+                results[request_id] = item
+        assert isinstance(results["bad"], ValueError) and "could not prepare this request" in str(results["bad"])
+        for index, prompt in enumerate(PROMPTS):
+            assert results[f"good{index}"].outputs[0].token_ids == hf_greedy(tiny[0], prompt, 6)
+        stats = client.stats  # as of the step that finished the last of them
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+    finally:
+        client.shutdown(timeout=30)
