@@ -67,3 +67,13 @@ def test_ab_reports_each_setting_as_the_medians_of_its_sides_runs(tmp_path):
             values = [run["metrics"][key] for run in runs if run["side"] == side]
             assert row[side] == pytest.approx(sum(values) / 2)  # the median of two runs
         assert row["new/old"] == pytest.approx(row["new"] / row["old"])
+
+
+def test_moe_matmul_times_both_expert_formulations_at_each_step_shape(tmp_path):
+    out = tmp_path / "moe.json"
+    done = run_benchmark("moe_matmul", "--configs", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
+                         "--calls", "1", "--rounds", "1", "--result-json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [8, 16]  # a decode bucket of 8 requests, a mixed one of 16 tokens
+    assert all(row["dense_over_grouped"] == row["dense_masked_ms"] / row["grouped_ms"] > 0 for row in rows)
