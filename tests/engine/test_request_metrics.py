@@ -66,6 +66,20 @@ def test_engine_outputs_carry_queue_time_ttft_e2e_and_generation_tokens(engine, 
     assert final.num_generation_tokens == len(streamed[-1].outputs[0].token_ids) == 3
 
 
+def test_a_step_that_only_reads_the_step_in_flight_counts_no_tokens(engine, monkeypatch):
+    """When overlapping stops (async scheduling turned off here; on a CPU, a seat that frees), step()
+    reads the step in flight and launches none: it computed 0 tokens, not the step before's again."""
+    monkeypatch.setattr(engine.config, "async_scheduling", True)
+    engine.add_request("overlap", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # launches the prompt's step, reads none
+    counts = [engine.last_step_num_tokens]
+    engine.config.async_scheduling = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        counts.append(engine.last_step_num_tokens)
+    assert counts == [3, 0, 1, 1, 1], "the prompt, the read of its step, then a decode step per token after the first"
+
+
 def sample(registry: CollectorRegistry, name: str, **labels) -> float:
     return registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
 
