@@ -103,7 +103,7 @@ async def _after_run(url: str, reference: str) -> tuple[dict, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct", help="a checkpoint, or tiny: the test suite's random tiny model")
     parser.add_argument("--examples-per-route", type=int, default=400)
     parser.add_argument("--deadline-s", type=float, default=900, help="stop generating requests this long after the start")
     parser.add_argument("--max-num-seqs", type=int, default=8)

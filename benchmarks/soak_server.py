@@ -21,6 +21,7 @@ import platform
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_process import ServerProcess  # noqa: E402
+from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox", "Once upon a time", "Paris is the capital of", "def add(a, b):",
@@ -308,6 +310,8 @@ def start_server(args: argparse.Namespace, engine_process: bool, tool: str) -> t
 
 def report(args: argparse.Namespace, run_mode, **facts) -> None:
     """Run each core mode --engine-process names, print and write the JSON, exit 1 when anything failed."""
+    if args.model == "tiny":  # the test suite's tiny model: thousands of requests in minutes on 2 cores
+        args.model = str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="cbjax-tiny-")), "llama")[1])
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.engine_process]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"command": " ".join(sys.argv), "commit": commit, "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs",
@@ -333,7 +337,7 @@ def run_mode(args: argparse.Namespace, engine_process: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct", help="a checkpoint, or tiny: the test suite's random tiny model")
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's capacity; clients keep twice this in flight")
     parser.add_argument("--max-model-len", type=int, default=256)
