@@ -49,21 +49,3 @@ def reject_unsupported(where: str, options: Iterable[tuple[str, Any]], unsupport
                 f"leave it out (or at vLLM's default, {unsupported[name]!r})"
             )
 
-
-def check_prompt(prompt: Any, index: int) -> None:
-    """A prompt is a str or a dict with 'prompt_token_ids' (a list of ints); say which one is not."""
-    where = f"prompt {index}"
-    if isinstance(prompt, str):
-        return
-    if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-        raise ArgumentTypeError(
-            f"{where} must be a str or a dict with 'prompt_token_ids', got {describe(prompt)}"
-        )
-    token_ids = prompt["prompt_token_ids"]
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
-        raise ArgumentTypeError(f"{where}: prompt_token_ids must be a list of ints, got {describe(token_ids)}")
-    for position, token_id in enumerate(token_ids):
-        if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
-            raise ArgumentTypeError(
-                f"{where}: prompt_token_ids must be a list of ints; item {position} is {describe(token_id)}"
-            )

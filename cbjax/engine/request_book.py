@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cbjax.arguments import ArgumentTypeError, describe
 from cbjax.core.outputs import SampledTokens
 from cbjax.core.request import Request, RequestStatus
 from cbjax.engine.iteration_stats import IterationStatsCollector
@@ -20,7 +21,14 @@ from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
 
-Prompt = str | dict[str, Any]
+Prompt = str | dict[str, Any]  # vLLM's forms: a str, a TextPrompt or a TokensPrompt dict (parse_prompt)
+PROMPT_FORMS = "a str, a dict with 'prompt' (vLLM's TextPrompt) or with 'prompt_token_ids' (TokensPrompt)"
+# Keys of vLLM's prompt dicts for inputs cbjax does not take: refused by name, never ignored.
+UNSUPPORTED_PROMPT_KEYS = {
+    "multi_modal_data": "cbjax serves text-only models", "mm_processor_kwargs": "cbjax serves text-only models",
+    "multi_modal_uuids": "cbjax serves text-only models", "prompt_embeds": "prompts are text or token ids",
+    "token_type_ids": "no model here takes them", "cache_salt": "the prefix cache has no per-tenant salt",
+}
 
 Progressed = list[tuple[ParentRequest, bool]]  # parents with news this step, and whether each finished
 
@@ -139,14 +147,41 @@ def eos_token_ids(tokenizer: Tokenizer, model_config: Any) -> list[int]:
     return list(tokenizer.eos_token_ids or model_config.eos_token_id)
 
 
-def tokenize_request(tokenizer: Tokenizer, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-    """A prompt's text (None if given as ids alone) and token ids; then `params.bad_words` become
-    token ids too (without special tokens, as vLLM's)."""
+def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one of vLLM's prompt forms: a str or a TextPrompt ({"prompt": text}) has
+    text alone, to tokenize; a TokensPrompt ({"prompt_token_ids": ids}) has ids, and may carry their
+    text as "prompt". Raises ArgumentTypeError for another form, ValueError for a key it does not take."""
     if isinstance(prompt, str):
-        text, token_ids = prompt, tokenizer.encode(prompt)
-    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        text, token_ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-    else:
-        raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        return prompt, None
+    unsupported = [key for key in prompt if key in UNSUPPORTED_PROMPT_KEYS] if isinstance(prompt, dict) else []
+    if unsupported:
+        raise ValueError(f"prompt keys {unsupported} are vLLM inputs cbjax does not take "
+                         f"({UNSUPPORTED_PROMPT_KEYS[unsupported[0]]}); send the prompt's text or token ids alone")
+    if not isinstance(prompt, dict) or ("prompt" not in prompt and "prompt_token_ids" not in prompt):
+        raise ArgumentTypeError(f"a prompt must be {PROMPT_FORMS}, got {describe(prompt)}")
+    unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+    if unknown:
+        raise ValueError(f"unknown prompt keys {unknown}; a prompt dict takes 'prompt' and 'prompt_token_ids'")
+    text = prompt.get("prompt")
+    if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
+        raise ArgumentTypeError(f"'prompt' must be a str, got {describe(text)}")
+    if "prompt_token_ids" not in prompt:
+        return text, None
+    token_ids = prompt["prompt_token_ids"]
+    if isinstance(token_ids, (str, bytes, dict)) or not isinstance(token_ids, Iterable):
+        raise ArgumentTypeError(f"prompt_token_ids must be a list of ints, got {describe(token_ids)}")
+    token_ids = list(token_ids)
+    for position, token_id in enumerate(token_ids):
+        if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+            raise ArgumentTypeError(f"prompt_token_ids must be a list of ints; item {position} is {describe(token_id)}")
+    return text, [int(token_id) for token_id in token_ids]
+
+
+def tokenize_request(tokenizer: Tokenizer, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    """A prompt's text (None if given as ids alone) and token ids (parse_prompt's forms); then
+    `params.bad_words` become token ids too (without special tokens, as vLLM's)."""
+    text, token_ids = parse_prompt(prompt)
+    if token_ids is None:
+        token_ids = tokenizer.encode(text)
     params.update_from_tokenizer(tokenizer.encode_chat)
     return text, token_ids

@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cbjax.arguments import UNSUPPORTED_LLM_OPTIONS, ArgumentTypeError, check_int, check_prompt, describe, reject_unsupported
+from cbjax.arguments import UNSUPPORTED_LLM_OPTIONS, ArgumentTypeError, check_int, describe, reject_unsupported
 from cbjax.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from cbjax.config import EngineConfig
-from cbjax.engine.llm_engine import LLMEngine, Prompt
+from cbjax.engine.llm_engine import LLMEngine
+from cbjax.engine.request_book import PROMPT_FORMS, Prompt, parse_prompt
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -66,11 +67,12 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
-            raise ArgumentTypeError(
-                f"prompts must be a str, a dict with 'prompt_token_ids', or a list of them; got {describe(prompts)}"
-            )
-        for index, prompt in enumerate(prompts):
-            check_prompt(prompt, index)
+            raise ArgumentTypeError(f"prompts must be a prompt ({PROMPT_FORMS}) or a list of them; got {describe(prompts)}")
+        for index, prompt in enumerate(prompts):  # each prompt's form, before any is queued
+            try:
+                parse_prompt(prompt)
+            except ValueError as error:
+                raise type(error)(f"prompt {index}: {error}") from error
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):

@@ -278,6 +278,23 @@ def test_check_request_raises_in_the_caller_what_generate_would(client, request)
             llm.check_request(bad_prompt, params, priority)
 
 
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_generate_takes_vllms_prompt_forms(client, request, tiny):
+    """AsyncLLM.generate takes a str, a TextPrompt and a TokensPrompt (issue 35, defect 11) in either
+    core mode, and refuses by name a key for inputs cbjax does not take."""
+    llm = request.getfixturevalue(client)
+    token_ids = llm.get_tokenizer().encode("hello world")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    forms = ["hello world", {"prompt": "hello world"}, {"prompt_token_ids": token_ids}]
+    outputs = run_all(llm, [(f"form{index}", prompt, params) for index, prompt in enumerate(forms)])
+    expected = hf_greedy(tiny[0], token_ids, 4)
+    for (output,) in outputs.values():
+        assert output.prompt_token_ids == token_ids and output.outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_data'\] are vLLM inputs cbjax does not take"):
+        asyncio.run(collect(llm, {"prompt": "hello world", "multi_modal_data": {"image": None}}, params, "image"))
+    wait_idle(llm)
+
+
 async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
 

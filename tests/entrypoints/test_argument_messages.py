@@ -63,8 +63,10 @@ def test_engine_config_takes_a_path_for_the_model(tmp_path):
 
 
 @pytest.mark.parametrize("prompts, message", [
-    (123, r"prompts must be a str, a dict with 'prompt_token_ids', or a list of them; got 123 \(int\)"),
-    (["fine", 5], r"prompt 1 must be a str or a dict with 'prompt_token_ids', got 5 \(int\)"),
+    (123, r"prompts must be a prompt \(a str, a dict with 'prompt' \(vLLM's TextPrompt\) or with 'prompt_token_ids' "
+          r"\(TokensPrompt\)\) or a list of them; got 123 \(int\)"),
+    (["fine", 5], r"prompt 1: a prompt must be a str, a dict with 'prompt' \(vLLM's TextPrompt\) or with "
+                  r"'prompt_token_ids' \(TokensPrompt\), got 5 \(int\)"),
     ([{"prompt_token_ids": [1, 2.5]}], r"prompt 0: prompt_token_ids must be a list of ints; item 1 is 2.5 \(float\)"),
     ([{"prompt_token_ids": "1 2"}], r"prompt 0: prompt_token_ids must be a list of ints, got '1 2' \(str\)"),
 ])
