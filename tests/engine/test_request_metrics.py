@@ -13,6 +13,8 @@ from tiny_checkpoint import make_tiny_checkpoint
 from cbjax import LLM, RequestOutputKind, SamplingParams
 from cbjax.config import EngineConfig
 from cbjax.core.engine_core import EngineCore
+from cbjax.core.engine_core_proc import EngineCoreProc
+from cbjax.core.request import Request
 from cbjax.engine.core_client import ThreadCoreClient
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.process_client import ProcessCoreClient
@@ -78,6 +80,19 @@ def test_a_step_that_only_reads_the_step_in_flight_counts_no_tokens(engine, monk
         engine.step()
         counts.append(engine.last_step_num_tokens)
     assert counts == [3, 0, 1, 1, 1], "the prompt, the read of its step, then a decode step per token after the first"
+
+
+def test_the_core_process_message_of_a_step_launched_but_not_read_carries_its_tokens(engine, monkeypatch):
+    """With async scheduling the first step() launches the prompt's step and reads none: the message
+    the core process sends for it must still count the step's tokens (fails before 910dc6e: 0)."""
+    monkeypatch.setattr(engine.config, "async_scheduling", True)
+    proc, steps_before = EngineCoreProc(engine.core), engine.core.num_steps
+    proc.add_request("proc", [Request("proc", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))])
+    counts = []
+    while engine.core.has_unfinished_requests():
+        counts.append(proc.step().num_step_tokens)
+    num_steps = engine.core.num_steps - steps_before
+    assert counts[0] == 3 and sum(counts) == 3 + (num_steps - 1), "the prompt's step, then one token a decode step"
 
 
 def sample(registry: CollectorRegistry, name: str, **labels) -> float:
