@@ -167,3 +167,15 @@ def test_each_platform_lowers_its_own_default_expert_matmul():
                for platform in ("cpu", "cuda")}
     assert MOE_MATMUL_BY_PLATFORM == {"cpu": "dense_masked"} and DEFAULT_MOE_MATMUL == "grouped"
     assert "ragged_dot" not in lowered["cpu"] and "ragged_dot" in lowered["cuda"]
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[])),
+    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[0, 2])),
+    ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[1])),  # no sparse layer left
+])
+def test_sparse_layers_are_those_transformers_builds_experts_in(tmp_path, family, overrides):
+    hf_dir = make_tiny_hf_model(tmp_path, family, **overrides)
+    want = tuple(i for i, layer in enumerate(load_hf_model(hf_dir).model.layers) if hasattr(layer.mlp, "experts"))
+    assert ModelConfig.from_dir(hf_dir).sparse_layers == want
+    assert read_hf_params(hf_dir, ModelConfig.from_dir(hf_dir), "float32", progress=False)  # and every tensor maps
