@@ -32,7 +32,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_process import ServerProcess  # noqa: E402
-from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox", "Once upon a time", "Paris is the capital of", "def add(a, b):",
@@ -268,13 +267,13 @@ async def after_run(client: httpx.AsyncClient, prompt: str, reference: str, max_
 
 async def soak(server: ServerProcess, args: argparse.Namespace) -> dict:
     rng, pid = random.Random(args.seed), server.process.pid
-    limits = httpx.Limits(max_connections=4 * args.max_num_seqs + 8)
+    limits = httpx.Limits(max_connections=round(2 * args.load_factor * args.max_num_seqs) + 8)
     async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(30), limits=limits) as client:
         references = {}
         for prompt in PROMPTS:  # alone, one at a time: the continuations the loaded run must reproduce
             answer = (await client.post("/v1/completions", json=greedy_body(prompt, args.max_tokens))).json()
             references[prompt] = answer["choices"][0]["text"]
-        capacity = 2 * args.max_num_seqs  # about twice what the engine runs at once
+        capacity = round(args.load_factor * args.max_num_seqs)  # sequences in flight: twice what the engine runs, by default
         warmup = [plan_request(rng, references, args.max_tokens) for _ in range(4 * args.max_num_seqs)]
         await load(client, warmup, capacity, pid, args.deadline_s)
         rss_after_warmup = rss_bytes(pid)
@@ -311,6 +310,7 @@ def start_server(args: argparse.Namespace, engine_process: bool, tool: str) -> t
 def report(args: argparse.Namespace, run_mode, **facts) -> None:
     """Run each core mode --engine-process names, print and write the JSON, exit 1 when anything failed."""
     if args.model == "tiny":  # the test suite's tiny model: thousands of requests in minutes on 2 cores
+        from tiny_checkpoint import make_tiny_checkpoint  # torch and transformers: only for this
         args.model = str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="cbjax-tiny-")), "llama")[1])
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.engine_process]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -339,7 +339,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct", help="a checkpoint, or tiny: the test suite's random tiny model")
     parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's capacity; clients keep twice this in flight")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's capacity")
+    parser.add_argument("--load-factor", type=float, default=2.0, help="sequences kept in flight, in units of --max-num-seqs")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--engine-process", choices=["on", "off", "both"], default="both")
@@ -350,7 +351,7 @@ def main() -> None:
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--result-json")
     args = parser.parse_args()
-    report(args, run_mode, max_num_seqs=args.max_num_seqs, max_tokens=args.max_tokens)
+    report(args, run_mode, max_num_seqs=args.max_num_seqs, load_factor=args.load_factor, max_tokens=args.max_tokens)
 
 
 if __name__ == "__main__":
