@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import failing_writer
 from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
 from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
@@ -293,6 +294,29 @@ def test_generate_takes_vllms_prompt_forms(client, request, tiny):
     with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_data'\] are vLLM inputs cbjax does not take"):
         asyncio.run(collect(llm, {"prompt": "hello world", "multi_modal_data": {"image": None}}, params, "image"))
     wait_idle(llm)
+
+
+def test_a_request_the_core_cannot_prepare_fails_alone(in_process, tiny):
+    """Issue 35: a request whose sampling row the core's runner cannot write (its column writer
+    raising, for that request alone) fails in its caller with a ValueError, as a refused one does;
+    its neighbours get transformers' tokens, and every block comes back."""
+    good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = [PROMPT, PROMPT[2:]]
+    in_process.core.call(failing_writer.patch_core_writers, True, timeout=30)
+    try:
+        async def run():
+            neighbours = [asyncio.create_task(collect(in_process, {"prompt_token_ids": prompt}, good, f"good{index}"))
+                          for index, prompt in enumerate(prompts)]
+            with pytest.raises(ValueError, match=r"could not prepare this request.*OverflowError"):
+                await collect(in_process, {"prompt_token_ids": PROMPT}, failing_writer.MARKED, "marked")
+            return await asyncio.gather(*neighbours)
+
+        results = asyncio.run(run())
+    finally:
+        in_process.core.call(failing_writer.patch_core_writers, False, timeout=30)
+    for prompt, (output,) in zip(prompts, results):
+        assert output.outputs[0].token_ids == hf_greedy(tiny[0], prompt, 6)
+    wait_idle(in_process)
 
 
 async def collect_with_priority(llm, params, request_id, priority):

@@ -5,42 +5,15 @@ block comes back."""
 
 from __future__ import annotations
 
-import queue
-
 import pytest
-from engine_helpers import ENGINE_OPTIONS, hf_greedy
+from engine_helpers import hf_greedy
+from failing_writer import MARKED, patch_writers
 from tiny_llm import llm, tiny  # noqa: F401 (module fixtures: one tiny engine for the session)
 
 from cbjax import SamplingParams
-from cbjax.core.engine_core_proc import build_engine_core
-from cbjax.engine.process_client import ProcessCoreClient
-from cbjax.worker import model_runner
-from cbjax.worker.sample import sampler
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 8, 61], [11, 12, 13, 14, 15, 16]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-MARKED_TOP_P = 0.875  # a request with this top_p is one whose sampling row cannot be written (a stage's writer raises)
-MARKED = SamplingParams(temperature=1.0, top_p=MARKED_TOP_P, max_tokens=6, n=2)
-
-
-def fail_marked_requests(patch) -> None:
-    """`patch(module, name, value)` the runner's column writer to raise for MARKED requests alone."""
-    real = sampler.request_columns
-
-    def fails_if_marked(params, seed, penalty_slot=sampler.NO_SLOT):
-        if params.top_p == MARKED_TOP_P:
-            raise OverflowError("Python int too large to convert to C long")
-        return real(params, seed, penalty_slot)
-
-    patch(sampler, "request_columns", fails_if_marked)
-    patch(model_runner, "request_columns", fails_if_marked)
-
-
-def build_core_failing_marked_requests(options):
-    """The engine-core process's core (build_engine_core), its column writer failing MARKED requests."""
-    core = build_engine_core(options, progress=False)
-    fail_marked_requests(setattr)
-    return core
 
 
 def assert_everything_freed(engine) -> None:
@@ -86,7 +59,7 @@ def test_generate_fails_the_call_for_a_prompt_the_runner_cannot_prepare(llm, mon
     """LLM.generate: a prompt whose sampling row cannot be written (one stage's writer raising, for one
     request) fails the call with its error, as a bad prompt does when it is added; nothing leaks, and
     the engine serves the next call."""
-    fail_marked_requests(monkeypatch.setattr)
+    patch_writers(monkeypatch.setattr)
     params = [GREEDY, MARKED, GREEDY]
     with pytest.raises(ValueError, match=r"prompt 1 of 3: .*OverflowError.*the call's other prompts were withdrawn"):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -107,27 +80,3 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token(llm):  # noqa: F811
     assert sample(3_000_000_000) == unlimited
     assert sample(10**300) == unlimited
 
-
-def test_in_engine_process_mode_a_request_the_core_cannot_prepare_fails_alone(tiny):  # noqa: F811
-    """The core in its own process: the failed request's caller gets a ValueError (as for a request
-    the core refused), its neighbours transformers' tokens, and every block comes back."""
-    client = ProcessCoreClient(build_core_failing_marked_requests, ({"model": str(tiny[1]), **ENGINE_OPTIONS},))
-    client.start()
-    try:
-        received: queue.SimpleQueue = queue.SimpleQueue()
-        for index, prompt in enumerate(PROMPTS):
-            client.add_request(f"good{index}", {"prompt_token_ids": prompt}, GREEDY,
-                               lambda item, index=index: received.put((f"good{index}", item)))
-        client.add_request("bad", {"prompt_token_ids": PROMPTS[0]}, MARKED, lambda item: received.put(("bad", item)))
-        results = {}
-        while len(results) < len(PROMPTS) + 1:
-            request_id, item = received.get(timeout=60)
-            if isinstance(item, BaseException) or item.finished:
-                results[request_id] = item
-        assert isinstance(results["bad"], ValueError) and "could not prepare this request" in str(results["bad"])
-        for index, prompt in enumerate(PROMPTS):
-            assert results[f"good{index}"].outputs[0].token_ids == hf_greedy(tiny[0], prompt, 6)
-        stats = client.stats  # as of the step that finished the last of them
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
-    finally:
-        client.shutdown(timeout=30)
