@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import operator
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -133,14 +135,17 @@ def run_engine_core(conn: Connection, build: Callable[..., EngineCore], build_ar
 
 
 def _serve(conn: Connection, proc: EngineCoreProc) -> None:
+    # Commands are read as they come, in a thread of their own: a step, or a send of progress that
+    # waits for the front end, never leaves the front end's sends waiting (vLLM's input socket thread).
+    commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(conn, commands), name="cbjax-core-input", daemon=True).start()
     core, serving = proc.core, True
     while serving:
-        applied = not core.has_unfinished_requests()
-        if applied:
-            serving = _apply(conn.recv(), conn, proc)  # idle: wait for a command
-        while serving and conn.poll():
-            serving = _apply(conn.recv(), conn, proc)
-            applied = True
+        command = commands.get() if not core.has_unfinished_requests() else _next_command(commands)  # idle: wait
+        applied = command is not None
+        while command is not None:
+            serving = _apply(command, conn, proc)
+            command = _next_command(commands) if serving else None
         if core.has_unfinished_requests():
             conn.send(proc.step())
         elif applied:  # no step to carry them: the rejections, and the stats after a stop freed blocks
@@ -150,6 +155,24 @@ def _serve(conn: Connection, proc: EngineCoreProc) -> None:
     if (message := proc.pending_message()) is not None:  # aborts no step carried (nothing was in flight)
         conn.send(message)
     conn.send(("closed",))
+
+
+def _read_commands(conn: Connection, commands: queue.SimpleQueue[tuple]) -> None:
+    """The input thread: every command the front end sends, onto `commands`."""
+    try:
+        while True:
+            commands.put(conn.recv())
+    except (EOFError, OSError):
+        commands.put(("gone",))
+    except BaseException as error:  # noqa: BLE001 (a command that cannot be unpickled: the loop dies of it)
+        commands.put(("unreadable", error))
+
+
+def _next_command(commands: queue.SimpleQueue[tuple]) -> tuple | None:
+    try:
+        return commands.get_nowait()
+    except queue.Empty:
+        return None
 
 
 def _apply(command: tuple, conn: Connection, proc: EngineCoreProc) -> bool:
@@ -170,6 +193,10 @@ def _apply(command: tuple, conn: Connection, proc: EngineCoreProc) -> bool:
         except Exception as error:  # the caller's probe failed, not the engine
             result = error
         conn.send(("result", result))
+    elif kind == "gone":
+        raise EOFError("the front end's process is gone")
+    elif kind == "unreadable":
+        raise command[1]
     else:  # "shutdown"
         for request_id in list(proc.core.scheduler.requests):
             proc.abort_request(request_id)

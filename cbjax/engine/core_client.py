@@ -82,6 +82,10 @@ class ThreadCoreClient:
         if self.stat_loggers:  # they count every request's tokens from the rows, FINAL_ONLY ones too
             engine.book.iteration_stats = IterationStatsCollector(engine.book.parents)
         self.error: BaseException | None = None
+        # Commands are queued only while the loop still takes them (a put after its last look would
+        # wait forever): `closed` says why not, set under the lock before the loop drains the queue.
+        self._lock = threading.Lock()
+        self.closed: EngineDeadError | None = None
         self.thread = threading.Thread(target=self._run, name="cbjax-engine-core", daemon=True)
 
     # ---- called from any thread -------------------------------------------------
@@ -94,16 +98,24 @@ class ThreadCoreClient:
     ) -> None:
         """Queue a request; its outputs, or the ValueError that rejected it, go to `sink`. It arrives
         now, not when the core dequeues it, so its TTFT counts the wait for the running step (as vLLM's)."""
-        self.commands.put(("add", request_id, prompt, params, sink, time.monotonic(), priority))
+        if not self._put(("add", request_id, prompt, params, sink, time.monotonic(), priority)):
+            deliver(sink, self.closed)
 
     def abort_request(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+        self._put(("abort", request_id))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Abort what is left, deliver its outputs, stop the thread."""
-        if self.thread.is_alive():
-            self.commands.put(("shutdown",))
+        if self._put(("shutdown",)) and self.thread.is_alive():
             self.thread.join(timeout)
+
+    def _put(self, command: tuple) -> bool:
+        """Queue a command; False once the loop has ended (nobody would apply it)."""
+        with self._lock:
+            if self.closed is not None:
+                return False
+            self.commands.put(command)
+            return True
 
     @property
     def is_alive(self) -> bool:
@@ -117,16 +129,19 @@ class ThreadCoreClient:
                 self._step()
             while self.engine.has_unfinished_requests():  # shutting down: flush the aborts' outputs
                 self._step()
+            closed = EngineDeadError("the engine core was shut down")
         except BaseException as error:  # the loop is dead: say why, and fail everyone waiting
             logger.exception("the engine-core loop died")
             self.error = error
-            dead = EngineDeadError(f"the engine-core loop died: {error!r}")
-            for sink in self.sinks.values():
-                deliver(sink, dead)
-            self.sinks.clear()
-            while (command := self._next_command()) is not None:  # adds sent while it was dying
-                if command[0] == "add":
-                    deliver(command[4], dead)
+            closed = EngineDeadError(f"the engine-core loop died: {error!r}")
+        with self._lock:  # from here on an add fails at once
+            self.closed = closed
+        for sink in self.sinks.values():
+            deliver(sink, closed)
+        self.sinks.clear()
+        while (command := self._next_command()) is not None:  # adds sent while it was ending
+            if command[0] == "add":
+                deliver(command[4], closed)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once shutdown was asked."""

@@ -16,6 +16,8 @@ this process. The child is spawned (JAX is not fork-safe) and is a daemon: it di
 front end falls behind (a stream's consumer is slow, or the device is faster than the front
 end), it reads every step waiting in the pipe and gives each request one output for all of
 them (a DELTA output holds what is new since its previous one), as vLLM's output collector does.
+Each direction of the pipe has a thread of its own on both sides (vLLM's input and output socket
+threads): a full pipe stalls that thread only, never the event loop or the front end's lock.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class ProcessCoreClient:
         self.sinks: dict[str, OutputSink] = {}
         self.error: BaseException | None = None
         self._lock = threading.Lock()  # the front end and the sinks: callers' threads and the reader's
-        self._send_lock = threading.Lock()  # a Connection's send is not thread-safe
+        # Sends go through one thread: a caller (the event loop, the reader finding a stop string
+        # under the front end's lock) never waits on a full pipe, so the two directions cannot wedge.
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = threading.Event()
         self.thread = threading.Thread(target=self._read, name="cbjax-engine-output", daemon=True)
+        self.sender = threading.Thread(target=self._write, name="cbjax-engine-input", daemon=True)
 
     def _recv_or_dead(self) -> tuple:
         try:
@@ -94,6 +99,7 @@ class ProcessCoreClient:
 
     def start(self) -> None:
         self.thread.start()
+        self.sender.start()
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0
@@ -130,6 +136,8 @@ class ProcessCoreClient:
 
     def call(self, function: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """`function(engine_core, *args)` in the core, between two steps (a benchmark's or a test's probe)."""
+        if self.error is not None:
+            raise self.error
         self._send(("call", function, args))
         result = self._results.get(timeout=timeout)
         if isinstance(result, BaseException):
@@ -147,20 +155,29 @@ class ProcessCoreClient:
             self.process.join(10)
         if self.thread.is_alive():
             self.thread.join(timeout)
+        self._outbox.put(None)
+        if self.sender.is_alive():
+            self.sender.join(timeout)
 
     @property
     def is_alive(self) -> bool:
         return self.error is None and self.process.is_alive()
 
     def _send(self, message: tuple) -> None:
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except (OSError, ValueError):  # the child is gone: the reader says so to everyone waiting
-            logger.debug("the engine-core process is gone; dropped %s", message[0])
+        self._outbox.put(message)
 
     def _send_stop(self, child_id: str) -> None:
         self._send(("stop", child_id))
+
+    # ---- the sender thread ------------------------------------------------------
+
+    def _write(self) -> None:
+        """Send the queued messages in order, until shutdown's None."""
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):  # the child is gone: the reader says so to everyone waiting
+                logger.debug("the engine-core process is gone; dropped %s", message[0])
 
     # ---- the reader thread ------------------------------------------------------
 

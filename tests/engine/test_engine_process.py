@@ -6,20 +6,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-import failing_writer
 from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
 from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import AsyncLLM, RequestOutputKind, SamplingParams
 from cbjax.config import EngineConfig
+from cbjax.engine.core_client import ThreadCoreClient
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.frontend import Frontend
@@ -32,6 +35,7 @@ OPTIONS = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32, blo
                dtype="float32")
 PROMPT = [5, 17, 42, 99, 7, 3, 250]
 KINDS = list(RequestOutputKind)
+SMALL_PIPE_BUFFER, DEFAULT_PIPE_BUFFER = 4096, 212992  # bytes (Linux doubles them; 212992 is its default)
 
 
 @pytest.fixture(scope="module")
@@ -296,29 +300,6 @@ def test_generate_takes_vllms_prompt_forms(client, request, tiny):
     wait_idle(llm)
 
 
-def test_a_request_the_core_cannot_prepare_fails_alone(in_process, tiny):
-    """Issue 35: a request whose sampling row the core's runner cannot write (its column writer
-    raising, for that request alone) fails in its caller with a ValueError, as a refused one does;
-    its neighbours get transformers' tokens, and every block comes back."""
-    good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-    prompts = [PROMPT, PROMPT[2:]]
-    in_process.core.call(failing_writer.patch_core_writers, True, timeout=30)
-    try:
-        async def run():
-            neighbours = [asyncio.create_task(collect(in_process, {"prompt_token_ids": prompt}, good, f"good{index}"))
-                          for index, prompt in enumerate(prompts)]
-            with pytest.raises(ValueError, match=r"could not prepare this request.*OverflowError"):
-                await collect(in_process, {"prompt_token_ids": PROMPT}, failing_writer.MARKED, "marked")
-            return await asyncio.gather(*neighbours)
-
-        results = asyncio.run(run())
-    finally:
-        in_process.core.call(failing_writer.patch_core_writers, False, timeout=30)
-    for prompt, (output,) in zip(prompts, results):
-        assert output.outputs[0].token_ids == hf_greedy(tiny[0], prompt, 6)
-    wait_idle(in_process)
-
-
 async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
 
@@ -349,6 +330,96 @@ def test_an_abort_of_one_child_ends_it_alone_and_a_request_aborted_twice_ends_on
     assert [c.finish_reason for c in twice[-1].outputs] == ["abort"] * 3
     llm.check_health()
     wait_idle(llm)
+
+
+def run_in_thread_within(seconds: float, main):
+    """asyncio.run(main()) in a thread; AssertionError if it has not returned within `seconds` (a
+    deadlock may block the event loop itself, where no asyncio timeout fires)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(main())), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: deadlocked"
+    return result[0]
+
+
+def set_pipe_buffer(_engine_core=None, size: int = SMALL_PIPE_BUFFER) -> None:
+    """Set the send buffer of this process's ends of the engine-core pipe (its only Unix sockets)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        with contextlib.suppress(OSError):
+            with socket.socket(fileno=os.dup(fd)) as end:  # (a duplicate: closing it leaves the pipe open)
+                if end.family == socket.AF_UNIX:
+                    end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
+def test_a_flood_of_early_stops_with_a_slow_front_end_never_deadlocks_the_pipe(in_process, in_thread, monkeypatch):
+    """Issue 35: both directions of the pipe full at once. The front end falls behind (its reader
+    applies steps slowly, so the core blocks sending progress) while the event loop sends a flood of
+    adds whose stop strings match early (each match sends a stop). With blocking sends (the reader's
+    stop under the front end's lock, the event loop's adds, the core's progress while it reads no
+    commands) both processes wedge; with an I/O thread per direction every request finishes. Small
+    pipe buffers make the overload that fills them on a busy server happen with a few requests."""
+    prompt = {"prompt_token_ids": PROMPT * 4}
+    probe = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    (reference,) = run_all(in_thread, [("probe", prompt, probe)])["probe"]
+    stop = reference.outputs[0].text[1:3]
+    early_stop = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], logprobs=5,
+                                output_kind=RequestOutputKind.DELTA)
+    apply = in_process.core._apply
+    monkeypatch.setattr(in_process.core, "_apply", lambda steps: (time.sleep(0.02), apply(steps)))
+    in_process.core.call(set_pipe_buffer, timeout=60)
+    set_pipe_buffer()
+
+    async def flood():
+        tasks = []
+        for wave in range(10):
+            tasks += [asyncio.create_task(collect(in_process, prompt, early_stop, f"flood{wave}.{i}")) for i in range(10)]
+            await asyncio.sleep(0.02)
+        return await asyncio.gather(*tasks)
+
+    results = run_in_thread_within(60, flood)
+    assert [outputs[-1].outputs[0].stop_reason for outputs in results] == [stop] * 100
+    monkeypatch.undo()
+    in_process.core.call(set_pipe_buffer, DEFAULT_PIPE_BUFFER, timeout=60)
+    set_pipe_buffer(size=DEFAULT_PIPE_BUFFER)
+    wait_idle(in_process)
+
+
+class EngineWhoseStepRaises:
+    """An LLMEngine stand-in for ThreadCoreClient: it takes requests, and its first step raises."""
+
+    def __init__(self):
+        self.request_ids = []
+
+    def get_stats(self):
+        return {}
+
+    def has_unfinished_requests(self):
+        return bool(self.request_ids)
+
+    def add_request(self, request_id, *_):
+        self.request_ids.append(request_id)
+
+    def abort_request(self, request_id):
+        self.request_ids.remove(request_id)
+
+    def step(self):
+        raise RuntimeError("injected fault in the step")
+
+
+def test_an_add_after_the_core_thread_died_fails_at_once():
+    """Issue 35: the dying loop drained its commands once; an add queued after that waited forever."""
+    client = ThreadCoreClient(EngineWhoseStepRaises())
+    client.start()
+    running, late = queue.SimpleQueue(), queue.SimpleQueue()
+    client.add_request("running", {"prompt_token_ids": PROMPT}, SamplingParams(), running.put)
+    assert isinstance(running.get(timeout=10), EngineDeadError)
+    client.thread.join(10)
+    client.add_request("late", {"prompt_token_ids": PROMPT}, SamplingParams(), late.put)
+    error = late.get(timeout=1)
+    assert isinstance(error, EngineDeadError) and "injected fault in the step" in str(error)
+    client.abort_request("late")  # (nothing to abort, and no error)
+    client.shutdown(timeout=1)
 
 
 def _exit_now(engine):
