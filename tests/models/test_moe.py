@@ -8,7 +8,10 @@ case asserts, from transformers' own router logits, that its prompts route to ev
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +182,20 @@ def test_sparse_layers_are_those_transformers_builds_experts_in(tmp_path, family
     want = tuple(i for i, layer in enumerate(load_hf_model(hf_dir).model.layers) if hasattr(layer.mlp, "experts"))
     assert ModelConfig.from_dir(hf_dir).sparse_layers == want
     assert read_hf_params(hf_dir, ModelConfig.from_dir(hf_dir), "float32", progress=False)  # and every tensor maps
+
+
+@pytest.mark.parametrize(("preset", "num_layers"), [("qwen3-30b-a3b", 48), ("mixtral-8x7b", 32)])
+def test_moe_preset_lowers_for_cuda_at_tp8_from_its_config_alone(preset, num_layers):
+    # Its own process: the CLI asks for 8 virtual CPU devices before JAX starts.
+    done = subprocess.run(
+        [sys.executable, "-m", "cbjax", "lower", "--config", preset, "--tensor-parallel-size", "8", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "16", "--max-model-len", "64", "--block-size", "16"],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8" in done.stdout
+    steps = [line for line in done.stdout.splitlines() if "partitions" in line]
+    # Every layer's experts: gate/up [E, hidden, inner] split by columns, down [E, inner, hidden] by rows.
+    assert len(steps) == 2 and all(
+        "8 partitions" in line and f'{2 * num_layers} x [{{}}, {{}}, {{"model"}}]' in line
+        and f'{num_layers} x [{{}}, {{"model"}}, {{}}]' in line for line in steps)
