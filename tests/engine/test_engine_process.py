@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import failing_writer
 from test_async_llm import rejected_requests_raise_while_a_neighbour_is_served
 from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
@@ -300,36 +301,31 @@ def test_generate_takes_vllms_prompt_forms(client, request, tiny):
     wait_idle(llm)
 
 
+def test_a_request_the_core_cannot_prepare_fails_alone(in_process, tiny):
+    """Issue 35: a request whose sampling row the core's runner cannot write (its column writer
+    raising, for that request alone) fails in its caller with a ValueError, as a refused one does;
+    its neighbours get transformers' tokens, and every block comes back."""
+    good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = [PROMPT, PROMPT[2:]]
+    in_process.core.call(failing_writer.patch_core_writers, True, timeout=30)
+    try:
+        async def run():
+            neighbours = [asyncio.create_task(collect(in_process, {"prompt_token_ids": prompt}, good, f"good{index}"))
+                          for index, prompt in enumerate(prompts)]
+            with pytest.raises(ValueError, match=r"could not prepare this request.*OverflowError"):
+                await collect(in_process, {"prompt_token_ids": PROMPT}, failing_writer.MARKED, "marked")
+            return await asyncio.gather(*neighbours)
+
+        results = asyncio.run(run())
+    finally:
+        in_process.core.call(failing_writer.patch_core_writers, False, timeout=30)
+    for prompt, (output,) in zip(prompts, results):
+        assert output.outputs[0].token_ids == hf_greedy(tiny[0], prompt, 6)
+    wait_idle(in_process)
+
+
 async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
-
-
-@pytest.mark.parametrize("client", ["in_thread", "in_process"])
-def test_an_abort_of_one_child_ends_it_alone_and_a_request_aborted_twice_ends_once(client, request):
-    """Issue 35, defect 10: an abort may name one completion of an n > 1 request by its child id
-    (vLLM's "{index}_{id}"): it alone ends, "abort", its siblings run to their length, and the request
-    gets one final output. A request aborted twice before the core applies either (a client gone and
-    a shutdown) ends once; the first core to see it finished and forgot it twice, and died."""
-    llm = request.getfixturevalue(client)
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-
-    async def read(request_id, *aborts):
-        outputs = []
-        async for output in llm.generate({"prompt_token_ids": PROMPT}, params, request_id):
-            for abort in aborts if not outputs else ():
-                await llm.abort(abort)
-            outputs.append(output)
-        return outputs
-
-    one_child = asyncio.run(read("three", "1_three"))
-    assert [output.finished for output in one_child] == [False] * (len(one_child) - 1) + [True]
-    assert [c.finish_reason for c in one_child[-1].outputs] == ["length", "abort", "length"]
-    assert [sum(len(o.outputs[i].token_ids) for o in one_child) for i in (0, 2)] == [100, 100]
-    twice = asyncio.run(read("twice", "twice", "twice"))
-    assert [output.finished for output in twice][-1] and sum(output.finished for output in twice) == 1
-    assert [c.finish_reason for c in twice[-1].outputs] == ["abort"] * 3
-    llm.check_health()
-    wait_idle(llm)
 
 
 def run_in_thread_within(seconds: float, main):
@@ -383,6 +379,34 @@ def test_a_flood_of_early_stops_with_a_slow_front_end_never_deadlocks_the_pipe(i
     in_process.core.call(set_pipe_buffer, DEFAULT_PIPE_BUFFER, timeout=60)
     set_pipe_buffer(size=DEFAULT_PIPE_BUFFER)
     wait_idle(in_process)
+
+
+@pytest.mark.parametrize("client", ["in_thread", "in_process"])
+def test_an_abort_of_one_child_ends_it_alone_and_a_request_aborted_twice_ends_once(client, request):
+    """Issue 35, defect 10: an abort may name one completion of an n > 1 request by its child id
+    (vLLM's "{index}_{id}"): it alone ends, "abort", its siblings run to their length, and the request
+    gets one final output. A request aborted twice before the core applies either (a client gone and
+    a shutdown) ends once; the first core to see it finished and forgot it twice, and died."""
+    llm = request.getfixturevalue(client)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def read(request_id, *aborts):
+        outputs = []
+        async for output in llm.generate({"prompt_token_ids": PROMPT}, params, request_id):
+            for abort in aborts if not outputs else ():
+                await llm.abort(abort)
+            outputs.append(output)
+        return outputs
+
+    one_child = asyncio.run(read("three", "1_three"))
+    assert [output.finished for output in one_child] == [False] * (len(one_child) - 1) + [True]
+    assert [c.finish_reason for c in one_child[-1].outputs] == ["length", "abort", "length"]
+    assert [sum(len(o.outputs[i].token_ids) for o in one_child) for i in (0, 2)] == [100, 100]
+    twice = asyncio.run(read("twice", "twice", "twice"))
+    assert [output.finished for output in twice][-1] and sum(output.finished for output in twice) == 1
+    assert [c.finish_reason for c in twice[-1].outputs] == ["abort"] * 3
+    llm.check_health()
+    wait_idle(llm)
 
 
 class EngineWhoseStepRaises:
