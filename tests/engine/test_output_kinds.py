@@ -88,9 +88,9 @@ def test_final_only_gets_one_output_while_a_stat_logger_counts_every_step(llm, g
     try:
         client.add_request("final", {"prompt_token_ids": PROMPT}, params(RequestOutputKind.FINAL_ONLY), received.put)
         final = received.get(timeout=60)
-        client.shutdown(timeout=60)  # nothing more can come once the core thread is gone
     finally:
-        llm.llm_engine.book.iteration_stats = None
+        client.shutdown(timeout=60)  # nothing more can come once the core thread is gone
+        llm.llm_engine.book.iteration_stats = None  # (the engine is shared with other modules)
     assert final.finished and final.outputs[0].token_ids == tokens and final.outputs[0].text == text
     assert received.empty(), "one output: no output per step for the stat logger"
     iterations = recorder.iterations

@@ -172,10 +172,10 @@ def test_ttft_and_e2e_count_each_finished_request_once(engine):
                 outputs[request_id].append(received[request_id].get(timeout=60))
                 if request_id == "left" and len(outputs[request_id]) == 1:
                     client.abort_request(request_id)  # the caller leaves after its first output
-        client.shutdown(timeout=60)
-        assert engine.book.iteration_stats.latest_token_step == {}, "nothing kept of a finished request"
     finally:
-        engine.book.iteration_stats = None
+        client.shutdown(timeout=60)
+        kept, engine.book.iteration_stats = engine.book.iteration_stats.latest_token_step, None
+    assert kept == {}, "nothing kept of a finished request"
     tokens = {request_id: token_counts(outputs[request_id], params.output_kind) for request_id, (_, params) in requests.items()}
     assert tokens["final"] == [5] and tokens["pair"] == [4, 4] and tokens["stream"] == [6] and 1 <= tokens["left"][0] < 40
     assert [len(outputs[request_id]) for request_id in ("final", "pair")] == [1, 1]
