@@ -1,5 +1,6 @@
 """`cbjax serve`: load and compile the model, start uvicorn, print the URL once /health answers 200,
-drain on SIGTERM (within --shutdown-timeout, then abort what is left) and exit 0."""
+drain on SIGTERM (within --shutdown-timeout, then abort what is left) and exit 0; exit 1 within a
+second of the engine core dying (its cause in the log), so that a supervisor restarts the server."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from prometheus_client import CollectorRegistry
 from cbjax.checkpoint.resolve import BUILTIN_MODEL_NAME, resolve_model
 from cbjax.entrypoints.cli.args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
+from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.5  # how often the server looks at the engine core (vLLM's launcher: its watchdog loop)
 
 
 def is_loopback(host: str) -> bool:
@@ -57,16 +61,40 @@ def cmd_serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
     try:
-        ok = asyncio.run(_serve(uvicorn.Server(config), args, served_model_name))
+        ok = asyncio.run(_serve(uvicorn.Server(config), engine, args, served_model_name))
     finally:
         engine.shutdown(timeout=args.shutdown_timeout)
     if not ok:
         sys.exit(1)
 
 
-async def _serve(server: uvicorn.Server, args: argparse.Namespace, served_model_name: str) -> bool:
-    """Run until SIGTERM; announce the URL only once the server answers /health with 200."""
+async def _serve(server: uvicorn.Server, engine: AsyncLLM, args: argparse.Namespace, served_model_name: str) -> bool:
+    """Run until SIGTERM (True) or the engine core's death (False); announce the URL only once the
+    server answers /health with 200."""
     serving = asyncio.create_task(server.serve())
+    watchdog = asyncio.create_task(_stop_when_dead(server, engine))
+    try:
+        return await _announce_and_serve(server, serving, args, served_model_name) and not watchdog.done()
+    finally:
+        watchdog.cancel()
+
+
+async def _stop_when_dead(server: uvicorn.Server, engine: AsyncLLM) -> None:
+    """Stop the server once the engine core is dead: its streams have their error events already,
+    and every later request would get 503 (vLLM's launcher does the same)."""
+    while True:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        try:
+            engine.check_health()
+        except EngineDeadError as error:
+            logger.error("%s; stopping the server (exit 1) so that a supervisor can restart it", error)
+            server.should_exit = True
+            return
+
+
+async def _announce_and_serve(
+    server: uvicorn.Server, serving: asyncio.Task, args: argparse.Namespace, served_model_name: str
+) -> bool:
     while not server.started:
         if serving.done():
             return False  # uvicorn said why (e.g. the port is taken)
