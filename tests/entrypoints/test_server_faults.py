@@ -10,13 +10,12 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 from server_process import REPO, ServerProcess
-from test_server import ENGINE_FLAGS, PROMPTS
-from tiny_checkpoint import make_tiny_checkpoint
+from test_server import ENGINE_FLAGS, PROMPTS, jax_cache, tiny  # noqa: F401 (module fixtures: a checkpoint, one compile for both servers)
 
 EXIT_BOUND_S = 10
 # 3 streams of 16 prompts x 110 tokens on 4 seats: over a thousand steps, all open at the first token.
@@ -37,16 +36,6 @@ def step(self):
 
 LLMEngine.step = step
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("server-faults"), "llama")
-
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax-cache"))  # the second server reuses the first one's compiled steps
 
 
 async def stream_events(http: httpx.AsyncClient, first_chunk: asyncio.Event) -> list[dict | str]:
@@ -84,25 +73,24 @@ def assert_every_stream_ended_with_an_error(streams: list[list[dict | str]]) -> 
         assert len(finished) < 16, "the stream was still open at the fault"
 
 
-def assert_exits_non_zero_soon(server: ServerProcess, fault_time: float) -> None:
-    exit_code = server.process.wait(EXIT_BOUND_S)
-    assert time.monotonic() - fault_time < EXIT_BOUND_S
-    assert exit_code == 1
+def assert_the_fault_ends_every_stream_and_the_server(server: ServerProcess, fault, log: Path, cause: str) -> None:
+    try:
+        streams, fault_time = streams_through_a_fault(server, fault)
+        assert_every_stream_ended_with_an_error(streams)
+        exit_code = server.process.wait(EXIT_BOUND_S)
+        assert time.monotonic() - fault_time < EXIT_BOUND_S and exit_code == 1
+    finally:
+        server.stop()
+    assert cause in log.read_text() and "stopping the server (exit 1)" in log.read_text()
 
 
 def test_killing_the_engine_core_process_ends_every_stream_and_the_server(tiny, jax_cache, tmp_path):
     server = ServerProcess(tiny[1], tmp_path / "server.log", *ENGINE_FLAGS, "--compilation-cache-dir", jax_cache,
                            "--served-model-name", "tiny", "--engine-process")
-    try:
-        (core,) = [child for child in psutil.Process(server.process.pid).children()
-                   if "resource_tracker" not in " ".join(child.cmdline())]
-        streams, fault_time = streams_through_a_fault(server, lambda: os.kill(core.pid, signal.SIGKILL))
-        assert_every_stream_ended_with_an_error(streams)
-        assert_exits_non_zero_soon(server, fault_time)
-    finally:
-        server.stop()
-    log = (tmp_path / "server.log").read_text()
-    assert "exit code -9" in log and "stopping the server (exit 1)" in log
+    (core,) = [child for child in psutil.Process(server.process.pid).children()
+               if "resource_tracker" not in " ".join(child.cmdline())]
+    assert_the_fault_ends_every_stream_and_the_server(
+        server, lambda: os.kill(core.pid, signal.SIGKILL), tmp_path / "server.log", "exit code -9")
 
 
 def test_a_core_thread_whose_step_raises_ends_every_stream_and_the_server(tiny, jax_cache, tmp_path):
@@ -112,11 +100,5 @@ def test_a_core_thread_whose_step_raises_ends_every_stream_and_the_server(tiny, 
                            "--served-model-name", "tiny", "--no-engine-process",
                            env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
                                 "CBJAX_TEST_FAULT_FILE": str(fault_file)})
-    try:
-        streams, fault_time = streams_through_a_fault(server, fault_file.touch)
-        assert_every_stream_ended_with_an_error(streams)
-        assert_exits_non_zero_soon(server, fault_time)
-    finally:
-        server.stop()
-    log = (tmp_path / "server.log").read_text()
-    assert "injected fault in the engine step" in log and "stopping the server (exit 1)" in log
+    assert_the_fault_ends_every_stream_and_the_server(
+        server, fault_file.touch, tmp_path / "server.log", "injected fault in the engine step")
