@@ -98,7 +98,7 @@ def plan_request(rng: random.Random, references: dict[str, str], max_tokens: int
     stream = kind == "disconnect" or (kind != "abort" and rng.random() < 0.5)
     prompt = rng.choice(PROMPTS)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31),
-            "n": rng.randint(1, 4), "stream": stream}
+            "n": rng.randint(1, 4), "stream": stream, "stop": rng.choice([None, "e", " t", "\n"])}
     plan = {"kind": kind, "route": "/v1/completions", "body": body, "statuses": {200}, "stream": stream}
     if kind == "greedy":
         reference = references[prompt]
