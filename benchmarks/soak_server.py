@@ -151,17 +151,29 @@ def check_answer(plan: dict, chunks: list[dict]) -> list[str]:
     return problems
 
 
+async def sse_data(response: httpx.Response):
+    """The `data:` fields of an event stream. Lines end at CR or LF only (the SSE spec), not at every
+    line break str.splitlines knows (httpx's aiter_lines), which U+2028 or U+0085 in a JSON string would split."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[len("data: "):]
+
+
 async def read_stream(response: httpx.Response, plan: dict) -> tuple[list[dict], bool, list[str]]:
     """The chunks of an event stream, whether [DONE] ended it, and error events; a planned
     disconnect returns after its chunks."""
     chunks, errors = [], []
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
+    async for data in sse_data(response):
         if data == "[DONE]":
             return chunks, True, errors
-        chunk = json.loads(data)
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            errors.append(f"an event that is not JSON: {data[:300]!r}")
+            continue
         if "error" in chunk:
             errors.append(f"error event: {chunk['error'].get('message')}")
             continue
