@@ -238,7 +238,6 @@ def main() -> None:
         "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
         "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
         "olmo2": {4: serve("olmo2", olmo2[1], 4, compiles)},
-        "qwen3_moe": {2: serve("qwen3_moe", moe["qwen3_moe"][1], 2, compiles)},
         "mixtral": {4: serve("mixtral", moe["mixtral"][1], 4, compiles)},
         "moe_logits": {family: {tp: moe_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
@@ -249,10 +248,6 @@ def main() -> None:
             "llama": {tp: abstract_lowering(ModelConfig.from_dir(llama[1]), tp) for tp in (2, 4)},
             # Llama-3-70B's shapes (64 heads, 8 KV heads, head_dim 128, vocab 128256), two of its 80 layers
             "llama-3-70b": {4: abstract_lowering(dataclasses.replace(load_model_config("llama-3-70b")[1], num_hidden_layers=2), 4)},
-            # The MoE presets' shapes, two of their layers (all sparse): 128 experts top 8, 8 experts top 2
-            **{preset: {4: abstract_lowering(dataclasses.replace(load_model_config(preset)[1], num_hidden_layers=2,
-                                                                 sparse_layers=(0, 1)), 4)}
-               for preset in ("qwen3-30b-a3b", "mixtral-8x7b")},
         },
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }

@@ -131,7 +131,7 @@ def test_bad_words_are_tokenized_as_vllm_does():
     ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}},
      rf"{MAX_LOGIT_BIAS + 1} logit_bias entries given; the sampler holds at most {MAX_LOGIT_BIAS} per request"),
     ({"logit_bias": {-1: 1.0}}, r"token ids of logit_bias must be >= 0, got -1"),
-    ({"logit_bias": {1: float("nan")}}, r"logit_bias\[1\] must be finite"),
+    ({"logit_bias": {1: float("nan")}}, r"logit_bias\[1\] must be a finite number"),
     ({"allowed_token_ids": []}, r"allowed_token_ids is empty"),
     ({"bad_words": "cat"}, r"bad_words must be a list of non-blank strings"),
 ])
