@@ -44,16 +44,19 @@ class Frontend:
         self.book.check_free(request_id, params.n)
         return self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority)
 
-    def reject(self, request_id: str) -> str | None:
+    def reject(self, request_id: str) -> tuple[str, list[str]] | None:
         """Forget a request the core refused, or one of whose completions (named by its child id) it
-        could not prepare: the request's id, None if this side holds it no longer."""
+        could not prepare: the request's id and its other completions the core still runs (for the
+        caller to abort there), None if this side holds it no longer."""
         parent = self.book.requests.get(request_id) or self.book.parents.get(request_id)
         if parent is None:
             return None
+        siblings = [] if parent.request_id == request_id else [
+            child.request_id for child in parent.children if not child.is_finished and child.request_id != request_id]
         for child in parent.children:
             child.status = RequestStatus.FINISHED_ABORTED
         self.book.finish(parent)  # (its output is dropped: the caller gets the core's ValueError)
-        return parent.request_id
+        return parent.request_id, siblings
 
     def child_ids(self, request_id: str) -> list[str]:
         """The core's ids of what an abort of `request_id` ends (RequestBook.children_of)."""

@@ -217,7 +217,10 @@ class ProcessCoreClient:
             progressed = {}
             for step in steps:
                 for request_id, why in step.rejected:  # a request refused, or a completion that failed
-                    sink = self.sinks.pop(self.frontend.reject(request_id) or request_id, None)
+                    parent_id, siblings = self.frontend.reject(request_id) or (request_id, [])
+                    if siblings:  # the failed request's other completions stop in the core too
+                        self._send(("abort", siblings))
+                    sink = self.sinks.pop(parent_id, None)
                     if sink is not None:
                         deliveries.append((sink, ValueError(why)))
                 for parent, finished in self.frontend.apply(step):

@@ -10,11 +10,15 @@ from cbjax.worker.sample import sampler
 
 MARKED_TOP_P = 0.875  # the mark: a top_p no other test uses
 MARKED = SamplingParams(temperature=1.0, top_p=MARKED_TOP_P, max_tokens=6, n=2)
+# Of its 3 completions (seeds 700, 701, 702: seed + index) only the second fails; the others could run long.
+FAILING_SEED = 701
+ONE_OF_THREE_FAILS = SamplingParams(temperature=1.0, top_p=MARKED_TOP_P, seed=FAILING_SEED - 1, n=3,
+                                    max_tokens=100, ignore_eos=True)
 _WRITER = sampler.request_columns
 
 
 def fails_if_marked(params: SamplingParams, seed: int, penalty_slot: int = sampler.NO_SLOT) -> sampler.RequestColumns:
-    if params.top_p == MARKED_TOP_P:
+    if params.top_p == MARKED_TOP_P and params.seed in (None, FAILING_SEED):
         raise OverflowError("Python int too large to convert to C long")
     return _WRITER(params, seed, penalty_slot)
 
@@ -28,3 +32,8 @@ def patch_writers(patch, failing: bool = True) -> None:
 def patch_core_writers(core, failing: bool) -> None:
     """patch_writers in an engine core's process (a ProcessCoreClient.call probe)."""
     patch_writers(setattr, failing)
+
+
+def core_num_steps(core) -> int:
+    """The steps an engine core has run (a ProcessCoreClient.call probe)."""
+    return core.get_stats()["num_steps"]

@@ -324,6 +324,20 @@ def test_a_request_the_core_cannot_prepare_fails_alone(in_process, tiny):
     wait_idle(in_process)
 
 
+def test_a_completion_the_core_cannot_prepare_stops_its_siblings_there_too(in_process):
+    """Of an n=3 request, the second completion fails when it joins the batch: its caller gets the
+    error, and the other two stop in the core at once instead of running their 100 tokens."""
+    in_process.core.call(failing_writer.patch_core_writers, True, timeout=30)
+    try:
+        with pytest.raises(ValueError, match=r"could not prepare this request.*OverflowError"):
+            asyncio.run(collect(in_process, {"prompt_token_ids": PROMPT}, failing_writer.ONE_OF_THREE_FAILS, "one"))
+        steps_at_error = in_process.core.call(failing_writer.core_num_steps, timeout=30)
+        steps_when_idle = wait_idle(in_process)["num_steps"]
+    finally:
+        in_process.core.call(failing_writer.patch_core_writers, False, timeout=30)
+    assert steps_when_idle - steps_at_error <= 5
+
+
 async def collect_with_priority(llm, params, request_id, priority):
     return [o async for o in llm.generate({"prompt_token_ids": PROMPT}, params, request_id, priority=priority)]
 
