@@ -88,7 +88,7 @@ def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | No
         check_model(state, body.model)
         check_fields(body)
         check_prompt_token_ids(state, body.tokens, "tokens")
-        return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await off_loop(state, state.engine.tokenizer.decode, body.tokens))
 
     @app.get("/version")
     async def server_version() -> JSONResponse:
