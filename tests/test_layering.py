@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_the_serve_front_end_process_never_imports_jax(tmp_path):
     server = ServerProcess(checkpoint, tmp_path / "server.log", "--engine-process", "--max-model-len", "64",
                            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--block-size", "8",
                            "--num-kv-blocks", "24", "--dtype", "float32", "--served-model-name", "tiny",
-                           env={"PYTHONPATH": f"{hook}:{REPO}"})
+                           env={"PYTHONPATH": os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])})
     try:
         response = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": [5, 17, 42], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True})

@@ -229,7 +229,7 @@ def test_the_parent_process_never_starts_a_jax_backend(tiny, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(PARENT_BACKENDS)
     done = subprocess.run([sys.executable, str(script), str(tiny[1]), repr(OPTIONS)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "backends: []" in done.stdout
 

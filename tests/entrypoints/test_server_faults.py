@@ -98,7 +98,7 @@ def test_a_core_thread_whose_step_raises_ends_every_stream_and_the_server(tiny, 
     fault_file = tmp_path / "fault"
     server = ServerProcess(tiny[1], tmp_path / "server.log", *ENGINE_FLAGS, "--compilation-cache-dir", jax_cache,
                            "--served-model-name", "tiny", "--no-engine-process",
-                           env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+                           env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]),
                                 "CBJAX_TEST_FAULT_FILE": str(fault_file)})
     assert_the_fault_ends_every_stream_and_the_server(
         server, fault_file.touch, tmp_path / "server.log", "injected fault in the engine step")

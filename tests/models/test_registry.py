@@ -93,7 +93,7 @@ def test_plan_counts_olmo2_weights_with_its_whole_projection_norms(tmp_path, tp)
 
 def test_olmo2_serves_through_the_engine_greedy_like_transformers(tmp_path):
     hf_dir, ckpt = make_tiny_checkpoint(tmp_path, "olmo2")
-    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=8)
+    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=8, dtype="float32")
     prompts = [[3 + (5 * i + 11 * n) % 290 for i in range(n)] for n in (21, 9, 1)]  # 21: prefilled in two chunks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
