@@ -23,3 +23,16 @@ def lowering_target(platform: str, device_kind: str = DEFAULT_CUDA_TARGET) -> co
         return contextlib.nullcontext()
     target = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=target))
+
+
+def lowering_mesh(platform: str, mesh: jax.sharding.Mesh, device_kind: str = DEFAULT_CUDA_TARGET) -> jax.sharding.AbstractMesh | None:
+    """The mesh a sharded step is lowered on for `platform`, when its own mesh (this host's CPU
+    devices) cannot answer the kernels' question: an abstract mesh of the same axes on the target
+    GPU. Inside shard_map the kernels ask the mesh, not the context, so lowering_target alone does
+    not reach them (jax 0.11: "No supported GPU devices found"). None where nothing is needed."""
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if platform != "cuda" or abstract_device is None or any(d.platform == "gpu" for d in mesh.devices.flat):
+        return None
+    target = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types),
+                                     abstract_device=target)

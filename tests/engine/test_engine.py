@@ -289,7 +289,10 @@ def test_abort_returns_partial_output_and_frees_blocks(llm, expected):
 
 
 def test_profiled_step_scratch_does_not_depend_on_the_pool_size(llm):
-    """gpu_memory_utilization sizing reserves the largest step's scratch, measured on a 2-block pool."""
+    """gpu_memory_utilization sizing reserves the largest step's scratch, measured on a 2-block pool.
+
+    On a CPU the two are equal; on the H200 (scripts/gpu_check.sh) XLA's scratch varied with the
+    pool by about 5%, the 2-block probe the larger: the reservation must cover the real step."""
     from cbjax.worker.model_runner import ModelRunner
 
     runner = llm.llm_engine.runner
@@ -297,4 +300,27 @@ def test_profiled_step_scratch_does_not_depend_on_the_pool_size(llm):
     probe = ModelRunner(model, runner.model_config, runner.config, 2, runner.backend)
     scratch = probe.peak_step_bytes()
     assert scratch > 0
-    assert scratch == runner.peak_step_bytes()
+    actual = runner.peak_step_bytes()
+    assert actual <= scratch <= 1.1 * actual
+
+
+def test_the_profiled_scratch_is_stored_with_the_steps(llm, tmp_path, monkeypatch):
+    """A warm start on an accelerator reads the 2-block probe's scratch from the step cache instead of
+    tracing and compiling the two largest steps again (scripts/gpu_check.sh counted them on an H200)."""
+    import dataclasses
+
+    from cbjax.worker.compilation.compile_cache import DISABLE_ENV
+    from cbjax.worker.model_runner import ModelRunner
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    runner = llm.llm_engine.runner
+    model = nnx.merge(runner.graphdef, jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights))
+    config = dataclasses.replace(runner.config, compilation_cache_dir=str(tmp_path))
+    measured = ModelRunner(model, runner.model_config, config, 2, runner.backend).peak_step_bytes()
+    assert [p.suffix for p in (tmp_path / "steps").iterdir()] == [".number"]
+    again = ModelRunner(model, runner.model_config, config, 2, runner.backend)
+    monkeypatch.setattr(again, "_compile", lambda bucket: pytest.fail(f"compiled {bucket} again"))
+    assert again.peak_step_bytes() == measured
+    # Another pool is another key: that probe measures its own steps.
+    other = ModelRunner(model, runner.model_config, config, 3, runner.backend)
+    assert other.peak_step_bytes() > 0 and len(list((tmp_path / "steps").iterdir())) == 2

@@ -10,6 +10,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
 from cbjax.entrypoints.cli.main import main
+from cbjax.worker.compilation.compile_cache import DISABLE_ENV
 
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16",
                 "--dtype", "float32", "--num-kv-blocks", "40"]
@@ -27,7 +28,10 @@ def test_lower_every_bucket_for_cuda_with_the_pallas_kernels(checkpoint, capsys)
     assert "lowered 3/3 steps for cuda with backend pallas" in out
 
 
-def test_lower_from_a_config_alone_and_refuses_both_or_neither(checkpoint, capsys):
+def test_lower_from_a_config_alone_and_refuses_both_or_neither(checkpoint, capsys, tmp_path, monkeypatch):
+    # With the compilation cache on, as for a user (the step cache once asked a shape for its device).
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
     main(["lower", "--platform", "cuda", "--config", checkpoint, *ENGINE_FLAGS])  # config.json of the checkpoint
     out = capsys.readouterr().out
     assert "lowered 3/3 steps for cuda with backend pallas at tensor_parallel_size=1" in out

@@ -41,7 +41,7 @@ out = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], SamplingParams(temper
 requests = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
 print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/compilation_cache/cache_hits", 0),
                   "tokens": out[0].outputs[0].token_ids, "backend": llm.get_stats()["attention_backend"],
-                  "step_programs": len(step_programs)}))
+                  "step_programs": len(step_programs), "platform": jax.devices()[0].platform}))
 """
 
 
@@ -68,7 +68,10 @@ def test_a_new_process_compiles_only_the_steps_no_start_stored(tmp_path):
     assert first["compiles"] >= 3, "the first process should compile every step bucket into the default cache"
     assert list((tmp_path / "cache" / "xla").iterdir()), "the default cache lives under CBJAX_CACHE_DIR/xla"
     # The C++ kernel runs decode steps as mixed ones: decode 16 rows and mixed 16 tokens are one program.
-    assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4)
+    # On an accelerator the pool is sized from memory: a 2-block probe compiles the largest decode
+    # and mixed steps first (its scratch is stored with the steps, so the warm start below skips it).
+    probe = 0 if first["platform"] == "cpu" else 2
+    assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4) + probe
     other = run_engine_process(checkpoint, tmp_path / "cache", seed=1)
     assert other["step_programs"] == first["step_programs"] and other["compiles"] >= other["step_programs"]
     again = run_engine_process(checkpoint, tmp_path / "cache", seed=1)

@@ -11,6 +11,7 @@ another platform: only the shardings' shape matters, no device runs anything.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import re
@@ -64,6 +65,8 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
     The pool holds num_kv_blocks, or max_num_seqs requests of max_model_len (its size is only a
     dimension here). On the tensor-parallel mesh of this host's CPU devices.
     """
+    # Nothing it lowers is compiled, so it has no step cache (whose device a shape does not have).
+    config = dataclasses.replace(config, compilation_cache_dir=None)
     config.resolve(model_config.max_position_embeddings)
     tensor_parallel = None
     if config.tensor_parallel_size > 1:

@@ -177,11 +177,26 @@ class StepCache:
 
     def store(self, key: str, compiled: Any) -> None:
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
-            self.folder.mkdir(parents=True, exist_ok=True)
-            handle, scratch = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-")
-            with os.fdopen(handle, "wb") as file:
-                file.write(blob)
-            os.replace(scratch, self.folder / f"{key}.step")  # readers see a whole entry or none
+            self._write(f"{key}.step", pickle.dumps(serialize_executable.serialize(compiled)))
         except (OSError, ValueError, NotImplementedError) as error:
             logger.warning("could not store a compiled step in %s (%s); the next start traces it again", self.folder, error)
+
+    def recall_number(self, key: str) -> int | None:
+        """A number stored by remember_number under `key` (a measurement of steps with that key), or None."""
+        try:
+            return int((self.folder / f"{key}.number").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remember_number(self, key: str, value: int) -> None:
+        try:
+            self._write(f"{key}.number", str(int(value)).encode())
+        except OSError as error:
+            logger.warning("could not store a step measurement in %s (%s); the next start measures it again", self.folder, error)
+
+    def _write(self, name: str, blob: bytes) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        handle, scratch = tempfile.mkstemp(dir=self.folder, prefix=f".{name}-")
+        with os.fdopen(handle, "wb") as file:
+            file.write(blob)
+        os.replace(scratch, self.folder / name)  # readers see a whole entry or none
