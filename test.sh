@@ -9,4 +9,5 @@ bash scripts/fetch_model.sh > /dev/null  # the real-model tests use it
 # worker would claim the GPU's memory (scripts/gpu_check.sh shares it out explicitly).
 workers=2
 if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then workers=0; fi
-.venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
+# The slowest tests are listed at the end: the suite must stay well under 15 minutes on 2 cores.
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=15 "$@"
