@@ -6,6 +6,7 @@ import argparse
 
 from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
+from cbjax.entrypoints.openai.reasoning import PARSERS
 
 
 def add_engine_args(
@@ -113,6 +114,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "OpenAI's largest n)")
     parser.add_argument("--max-stop-strings", type=int, default=16,
                         help="400 for a request with more stop strings than this (default: 16)")
+    parser.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
+                        help="chat replies' <think>...</think> in reasoning_content, the answer in content "
+                             "(deepseek_r1: the reply may start inside the thinking; qwen3: only a reply "
+                             "opening with <think> thinks; default: none, the whole reply is content)")
     parser.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=True,
         help="run the engine core in its own process, this one tokenizing, detokenizing and answering HTTP "

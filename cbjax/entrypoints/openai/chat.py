@@ -98,7 +98,7 @@ async def _collect(
         final = output
     choices = [
         ChatChoice(
-            index=completion.index, message=ChatResponseMessage(content=completion.text),
+            index=completion.index, message=_message(state, completion.text),
             logprobs=chat_logprobs(completion, body.top_logprobs or 0) if body.logprobs else None,
             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
         )
@@ -107,6 +107,13 @@ async def _collect(
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
                                   usage=serving.usage(len(final.prompt_token_ids), num_completion_tokens))
+
+
+def _message(state: ServerState, text: str) -> ChatResponseMessage:
+    if state.reasoning_parser is None:
+        return ChatResponseMessage(content=text)
+    reasoning, content = state.reasoning_parser.split(text)
+    return ChatResponseMessage(content=content, reasoning_content=reasoning)
 
 
 async def _stream(
@@ -118,6 +125,8 @@ async def _stream(
 
     started = False
     finished: set[int] = set()  # choices whose finish_reason went out (with n > 1 others go on)
+    parser = state.reasoning_parser
+    thinking = {index: parser.stream() for index in range(body.n)} if parser is not None else {}
     num_completion_tokens = 0
     async for _, output in outputs:
         if not started:  # the role goes first, once the engine has taken the request
@@ -131,8 +140,13 @@ async def _stream(
             if completion.finish_reason is not None:
                 finished.add(completion.index)
             if completion.text or completion.token_ids or completion.finish_reason is not None:
+                delta = DeltaMessage(content=completion.text)
+                if parser is not None:
+                    reasoning, content = thinking[completion.index].feed(completion.text,
+                                                                         completion.finish_reason is not None)
+                    delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None)
                 yield chunk(ChatStreamChoice(
-                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    index=completion.index, delta=delta,
                     logprobs=chat_logprobs(completion, body.top_logprobs or 0) if body.logprobs else None,
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 ))

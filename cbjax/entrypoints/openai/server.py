@@ -24,6 +24,7 @@ from cbjax.engine.async_llm import AsyncLLM
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
+from cbjax.entrypoints.openai.reasoning import reasoning_parser
 from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.heap import freeze_gc_heap
 
@@ -53,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         **engine_options(args),
     )
     state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests,
-                        args.max_completions_per_request, args.max_stop_strings)
+                        args.max_completions_per_request, args.max_stop_strings, reasoning_parser(args.reasoning_parser))
     app = build_app(state, registry, api_key, args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
