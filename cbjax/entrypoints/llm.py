@@ -21,9 +21,12 @@ from cbjax.tokenizer.tokenizer import Tokenizer
 Message = dict[str, str]
 
 
-def chat_prompt(tokenizer: Tokenizer, conversation: Sequence[Message], add_generation_prompt: bool = True) -> dict:
-    """A conversation rendered with the model's chat template, as a prompt the engine takes."""
-    text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+def chat_prompt(tokenizer: Tokenizer, conversation: Sequence[Message], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> dict:
+    """A conversation rendered with the model's chat template, as a prompt the engine takes; `tools`
+    (OpenAI's function definitions) go to the template as transformers passes them."""
+    extra = {} if tools is None else {"tools": tools}
+    text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt, **extra)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode_chat(text)}
 
 
@@ -122,10 +125,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         priority: Sequence[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate (`priority`: one per conversation)."""
+        """Render each conversation with the model's chat template, then generate (`priority`: one
+        per conversation; `tools`: function definitions the template shows the model, as vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt) for c in conversations]
+        prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:

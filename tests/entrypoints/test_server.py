@@ -365,22 +365,25 @@ def small_server(tiny, jax_cache, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "small.log"
     process = ServerProcess(tiny[1], log, *ENGINE_FLAGS, "--compilation-cache-dir", jax_cache,
                             "--served-model-name", "tiny", "--max-waiting-requests", "1", "--shutdown-timeout", "60",
-                            "--reasoning-parser", "deepseek_r1")
+                            "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield process
     process.stop()
 
 
 def test_a_reasoning_parser_puts_an_unclosed_reply_in_reasoning_content(small_server, tiny, decode):
     """deepseek_r1: a reply that never writes </think> (cut by max_tokens while thinking) is all
-    reasoning, whole and streamed; the splitting itself: tests/entrypoints/test_reasoning.py."""
+    reasoning, whole and streamed, also with tools offered ("auto": the tiny model calls none); the
+    splitting itself: tests/entrypoints/test_reasoning.py and test_tool_parsers.py."""
     messages = [{"role": "user", "content": "Think about Paris."}]
     prompt_ids = Tokenizer.from_file(str(tiny[0] / "tokenizer.json")).encode("<s>user\nThink about Paris.</s>\n<s>assistant\n").ids
     want = decode(hf_greedy(tiny[0], prompt_ids, 10))
     assert "</think>" not in want
     client = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.0,
-                                           extra_body=NO_EOS).choices[0].message
-    assert (whole.model_extra["reasoning_content"], whole.content) == (want, None)
+                                           extra_body=NO_EOS, tools=tools).choices[0]
+    assert (whole.message.model_extra["reasoning_content"], whole.message.content) == (want, None)
+    assert not whole.message.tool_calls and whole.finish_reason == "length"
     deltas = [c.choices[0].delta for c in client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=10, temperature=0.0, extra_body=NO_EOS, stream=True)]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == want

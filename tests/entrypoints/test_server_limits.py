@@ -304,8 +304,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.mark.parametrize("path, extra, names", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-     ["tools"]),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, ["functions"]),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, ["response_format"]),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, ["guided_json", "guided_regex"]),
     ("/v1/chat/completions", {"structured_outputs": {"choice": ["a"]}}, ["structured_outputs"]),
@@ -318,6 +317,14 @@ def test_unsupported_fields_are_refused_by_name(url, fresh, path, extra, names):
     error = error_of(post(url, path, body), 400)
     assert error["param"] == names[0] and all(name in error["message"] for name in names), error
     assert "not supported" in error["message"]
+
+
+def test_tools_without_a_tool_call_parser_are_refused_unless_tool_choice_is_none(url, fresh):
+    """vLLM's rule: "auto" (the default with tools) needs --enable-auto-tool-choice and a parser."""
+    tools = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    error = error_of(post(url, "/v1/chat/completions", CHAT | tools), 400)
+    assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"], error
+    assert post(url, "/v1/chat/completions", CHAT | tools | {"tool_choice": "none"}).status_code == 200
 
 
 def test_fields_that_ask_for_nothing_and_unknown_fields_are_answered(url, fresh, caplog):

@@ -7,6 +7,7 @@ import argparse
 from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
 from cbjax.entrypoints.openai.reasoning import PARSERS
+from cbjax.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 
 def add_engine_args(
@@ -118,6 +119,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="chat replies' <think>...</think> in reasoning_content, the answer in content "
                              "(deepseek_r1: the reply may start inside the thinking; qwen3: only a reply "
                              "opening with <think> thinks; default: none, the whole reply is content)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let chat requests with tools use tool_choice "auto" (the default with tools): the model '
+                             "decides, and --tool-call-parser reads its calls back into tool_calls")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
+                             "Qwen3) or llama3_json (a JSON reply: Llama 3.1-3.3)")
     parser.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=True,
         help="run the engine core in its own process, this one tokenizing, detokenizing and answering HTTP "

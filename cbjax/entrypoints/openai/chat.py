@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -21,9 +22,13 @@ from cbjax.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallMessage,
     random_id,
 )
 from cbjax.entrypoints.openai.serving import ServerState
+from cbjax.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, ToolParser
 from cbjax.entrypoints.llm import chat_prompt
 from cbjax.outputs import CompletionOutput, RequestOutput
 
@@ -35,8 +40,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true; set it or drop top_logprobs",
                        "top_logprobs")
     serving.check_fan_out(state, 1, body)
+    tools = offered_tools(state, body)
     await serving.check_overload(state)
-    prompt = await serving.off_loop(state, rendered_chat, state, body.messages, body.add_generation_prompt)
+    prompt = await serving.off_loop(state, rendered_chat, state, body.messages, body.add_generation_prompt, tools)
     serving.check_prompt_token_ids(state, prompt["prompt_token_ids"], "messages")
     max_tokens = serving.check_context_length(state, len(prompt["prompt_token_ids"]),
                                       body.max_completion_tokens or body.max_tokens)
@@ -44,23 +50,50 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     serving.check_engine_request(state, [prompt], [params], body.priority)
     request_id = random_id("chatcmpl")
     outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority)
+    tool_parser = state.tool_parser if tools else None  # tools offered: the parser reads the calls back
     if body.stream:
-        return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs), outputs)
-    work = _collect(state, body, request_id, outputs)
+        return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs, tool_parser),
+                              outputs)
+    work = _collect(state, body, request_id, outputs, tool_parser)
     return serving.respond(await serving.cancel_on_disconnect(raw_request, work))
 
 
-def rendered_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
+def offered_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the chat template shows the model, as vLLM decides: none for tool_choice "none";
+    "auto" (the default with tools) needs a tool-call parser to read the calls back; "required" and a
+    named function need a grammar to force a call, which this server does not have yet."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice != "none" and not body.tools:
+        raise APIError(400, f"tool_choice={choice!r} needs tools; send the tools the model may call", "tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in {tool.function.name for tool in body.tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools sent "
+                                f"({', '.join(tool.function.name for tool in body.tools)})", "tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        raise APIError(400, "tool_choice 'required' or a named function forces a call with a grammar, which this "
+                            "server does not implement yet; use tool_choice 'auto' (with --enable-auto-tool-choice)",
+                       "tool_choice")
+    if choice == "auto" and state.tool_parser is None:
+        raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                            "--tool-call-parser NAME (the model's tool-call format); or send tool_choice \"none\"",
+                       "tool_choice")
+    return None if choice == "none" else [tool.model_dump() for tool in body.tools]
+
+
+def rendered_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                  tools: list[dict] | None = None) -> dict:
     """The conversation through the model's chat template, as an engine prompt (in the tokenizer
     thread: a long conversation takes a while); a model without a template is the client's 400."""
     try:
-        return chat_prompt(state.engine.tokenizer, conversation(messages), add_generation_prompt)
+        return chat_prompt(state.engine.tokenizer, conversation(messages), add_generation_prompt, tools)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from error
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; content parts are joined to their text."""
+def conversation(messages: list[ChatMessage]) -> list[dict[str, object]]:
+    """Messages as the chat template takes them; content parts are joined to their text; earlier
+    tool calls carry their arguments as objects, as transformers' templates expect them."""
     if not messages:
         raise APIError(400, "messages is empty; send at least one message", "messages")
     rendered = []
@@ -68,8 +101,23 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
         content = message.content
         if isinstance(content, list):
             content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-        rendered.append({"role": message.role, "content": content or ""})
+        turn: dict[str, object] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            turn["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        turn.update({k: v for k, v in (("tool_call_id", message.tool_call_id), ("name", message.name)) if v is not None})
+        rendered.append(turn)
     return rendered
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"a tool call's arguments are not JSON ({error}): {function['arguments'][:60]!r}",
+                           "messages") from error
+    return {**call, "function": function}
 
 
 def chat_logprobs(completion: CompletionOutput, num_top: int) -> ChatLogProbs:
@@ -90,43 +138,74 @@ def _bytes(token: str | None) -> list[int]:
     return list((token or "").encode("utf-8"))
 
 
+class ReplyText:
+    """One choice's text split into reasoning, content and tool calls (with the server's parsers),
+    whole or delta by delta."""
+
+    def __init__(self, state: ServerState, tool_parser: ToolParser | None):
+        self.reasoning = state.reasoning_parser
+        self.tool_parser = tool_parser
+        self.thinking = self.reasoning.stream() if self.reasoning is not None else None
+        self.calls = ToolCallStream(tool_parser) if tool_parser is not None else None
+        self.num_calls = 0
+
+    def whole(self, text: str) -> tuple[ChatResponseMessage, bool]:
+        """The message of a whole reply, and whether it called tools."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        calls = []
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(content or "")
+        return ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                   tool_calls=[_call_message(call) for call in calls]), bool(calls)
+
+    def delta(self, text: str, final: bool) -> DeltaMessage:
+        reasoning, content = self.thinking.feed(text, final) if self.thinking is not None else ("", text)
+        calls = []
+        if self.calls is not None:
+            content, calls = self.calls.feed(content, final)
+        out = [DeltaToolCall(index=self.num_calls + i, **_call_message(call).model_dump()) for i, call in enumerate(calls)]
+        self.num_calls += len(calls)
+        return DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=out)
+
+
+def _call_message(call: ToolCall) -> ToolCallMessage:
+    return ToolCallMessage(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish_reason(completion: CompletionOutput, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and completion.finish_reason is not None else completion.finish_reason
+
+
 async def _collect(
-    state: ServerState, body: ChatCompletionRequest, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    state: ServerState, body: ChatCompletionRequest, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]],
+    tool_parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
     final = None
     async for _, output in outputs:
         final = output
-    choices = [
-        ChatChoice(
-            index=completion.index, message=_message(state, completion.text),
+    choices = []
+    for completion in final.outputs:
+        message, called = ReplyText(state, tool_parser).whole(completion.text)
+        choices.append(ChatChoice(
+            index=completion.index, message=message,
             logprobs=chat_logprobs(completion, body.top_logprobs or 0) if body.logprobs else None,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-        )
-        for completion in final.outputs
-    ]
+            finish_reason=_finish_reason(completion, called), stop_reason=completion.stop_reason,
+        ))
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
                                   usage=serving.usage(len(final.prompt_token_ids), num_completion_tokens))
 
 
-def _message(state: ServerState, text: str) -> ChatResponseMessage:
-    if state.reasoning_parser is None:
-        return ChatResponseMessage(content=text)
-    reasoning, content = state.reasoning_parser.split(text)
-    return ChatResponseMessage(content=content, reasoning_content=reasoning)
-
-
 async def _stream(
     state: ServerState, body: ChatCompletionRequest, request_id: str, num_prompt_tokens: int,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncIterator[tuple[int, RequestOutput]], tool_parser: ToolParser | None = None,
 ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=state.served_model_name, choices=[choice])
 
     started = False
     finished: set[int] = set()  # choices whose finish_reason went out (with n > 1 others go on)
-    parser = state.reasoning_parser
-    thinking = {index: parser.stream() for index in range(body.n)} if parser is not None else {}
+    replies = {index: ReplyText(state, tool_parser) for index in range(body.n)}
     num_completion_tokens = 0
     async for _, output in outputs:
         if not started:  # the role goes first, once the engine has taken the request
@@ -140,15 +219,12 @@ async def _stream(
             if completion.finish_reason is not None:
                 finished.add(completion.index)
             if completion.text or completion.token_ids or completion.finish_reason is not None:
-                delta = DeltaMessage(content=completion.text)
-                if parser is not None:
-                    reasoning, content = thinking[completion.index].feed(completion.text,
-                                                                         completion.finish_reason is not None)
-                    delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+                reply = replies[completion.index]
+                delta = reply.delta(completion.text, completion.finish_reason is not None)
                 yield chunk(ChatStreamChoice(
                     index=completion.index, delta=delta,
                     logprobs=chat_logprobs(completion, body.top_logprobs or 0) if body.logprobs else None,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    finish_reason=_finish_reason(completion, reply.num_calls > 0), stop_reason=completion.stop_reason,
                 ))
     if body.stream_options and body.stream_options.include_usage:
         yield ChatCompletionChunk(id=request_id, model=state.served_model_name, choices=[],

@@ -118,11 +118,40 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(OpenAIModel):
     role: str
     content: str | Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to that call
+    name: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallMessage(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallMessage):
+    index: int  # which call of the choice: the client assembles each call's fields by it
 
 
 class ChatCompletionRequest(SamplingFields):
     unsupported_fields: ClassVar[dict[str, tuple]] = UNSUPPORTED_SAMPLING_FIELDS | {
-        "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+        "functions": (None, []),
         "function_call": (None, "none", "auto"), "reasoning_effort": (None,), "audio": (None,),
         "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
         "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
@@ -130,6 +159,8 @@ class ChatCompletionRequest(SamplingFields):
     }
 
     messages: Annotated[list[ChatMessage], FAIL_FAST]
+    tools: Annotated[list[ChatTool], FAIL_FAST] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -185,6 +216,7 @@ class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
+    tool_calls: list[ToolCallMessage] = []
 
 
 class ChatChoice(OpenAIModel):
@@ -208,6 +240,7 @@ class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = []
 
 
 class ChatStreamChoice(OpenAIModel):

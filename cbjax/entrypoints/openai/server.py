@@ -25,6 +25,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.reasoning import reasoning_parser
+from cbjax.entrypoints.openai.tool_parsers import tool_call_parser
 from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.heap import freeze_gc_heap
 
@@ -54,7 +55,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         **engine_options(args),
     )
     state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests,
-                        args.max_completions_per_request, args.max_stop_strings, reasoning_parser(args.reasoning_parser))
+                        args.max_completions_per_request, args.max_stop_strings, reasoning_parser(args.reasoning_parser),
+                        tool_call_parser(args.enable_auto_tool_choice, args.tool_call_parser))
     app = build_app(state, registry, api_key, args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)

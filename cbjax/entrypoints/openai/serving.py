@@ -22,6 +22,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.errors import APIError, error_json, short_repr
 from cbjax.entrypoints.openai.protocol import RequestModel, SamplingFields, UsageInfo
 from cbjax.entrypoints.openai.reasoning import ThinkingParser
+from cbjax.entrypoints.openai.tool_parsers import ToolParser
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,6 +42,7 @@ class ServerState:
     max_completions_per_request: int = 128  # prompts x n (--max-completions-per-request)
     max_stop_strings: int = 16  # --max-stop-strings
     reasoning_parser: ThinkingParser | None = None  # --reasoning-parser: chat replies' thinking apart
+    tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser: "auto" tool calls
     # Completions (prompts x n) this server handed the engine that have not finished: the core's
     # stats lag by a step and do not see adds it has not applied yet; this count does.
     num_unfinished: int = 0
