@@ -4,7 +4,7 @@ whole reply's split however the reply is cut into deltas (tags split across delt
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cbjax.entrypoints.openai.reasoning import PARSERS, reasoning_parser
@@ -31,6 +31,7 @@ PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
                   max_size=12)
 
 
+@example(pieces=["\n", "<think>"], cuts=[1], parser=R1)  # leading whitespace, then <think>: found by hypothesis
 @given(pieces=PIECES, cuts=st.lists(st.integers(0, 200), max_size=8), parser=st.sampled_from([R1, QWEN3]))
 def test_streamed_deltas_join_to_the_whole_split_wherever_the_reply_is_cut(pieces, cuts, parser):
     text = "".join(pieces)

@@ -70,7 +70,7 @@ class ThinkingStream:
 def _undecided_tail(text: str) -> int:
     """How many final characters of `text` could still turn into a tag with more text."""
     body = text.lstrip()
-    if body and START.startswith(body) and body != START:  # the reply so far may be opening <think>
+    if START.startswith(body) and body != START:  # the reply so far (whitespace too) may be opening <think>
         return len(text)
     if END in text:
         return 0
