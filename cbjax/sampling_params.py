@@ -47,6 +47,41 @@ def _check_count(what: str, count: int, limit: int) -> None:
         raise ValueError(f"{count} {what} given; the sampler holds at most {limit} per request; pass fewer")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names): a JSON schema, a regex, a choice of strings,
+    a Lark grammar, or any JSON object; exactly one per request."""
+
+    json: str | dict | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's dialect)
+    json_object: bool | None = None  # True: any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one constraint of {list(_CONSTRAINTS)}, got "
+                             f"{len(given)}: {given or 'none'}; pass one")
+        if self.choice is not None and (isinstance(self.choice, str) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {describe(getattr(self, name))}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a JSON schema (a dict or its JSON text), got {describe(self.json)}")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint's name: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name for the same fields
+
+
 class RequestOutputKind(enum.Enum):
     """What each streamed RequestOutput of a request holds (vLLM's names)."""
 

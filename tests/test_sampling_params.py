@@ -1,10 +1,13 @@
 """SamplingParams: vLLM's defaults, validation that names the field and range, normalisations."""
 
 import dataclasses
+import re
 
 import pytest
 
-from cbjax.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from cbjax.sampling_params import (
+    MAX_LOGPROBS, MAX_N, GuidedDecodingParams, SamplingParams, StructuredOutputsParams,
+)
 
 
 def test_defaults_match_vllm():
@@ -107,3 +110,28 @@ def test_frozen_and_replace_revalidates():
     assert dataclasses.replace(params, max_tokens=9).max_tokens == 9
     with pytest.raises(ValueError, match="max_tokens"):
         dataclasses.replace(params, max_tokens=0)
+
+
+@pytest.mark.parametrize("fields, given", [
+    ({}, "none"),
+    ({"json": {"type": "object"}, "regex": "a+"}, "['json', 'regex']"),
+    ({"choice": ["a"], "json_object": True}, "['choice', 'json_object']"),
+])
+def test_structured_outputs_take_exactly_one_constraint(fields, given):
+    with pytest.raises(ValueError, match=re.escape(given)):
+        StructuredOutputsParams(**fields)
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"json": '{"type": "object"}'}, "json"), ({"regex": "[0-9]+"}, "regex"), ({"choice": ["yes", "no"]}, "choice"),
+    ({"grammar": 'start: "a"'}, "grammar"), ({"json_object": True}, "json_object"),
+])
+def test_structured_outputs_name_their_one_constraint(fields, kind):
+    assert StructuredOutputsParams(**fields).kind == kind
+    assert GuidedDecodingParams(**fields) == StructuredOutputsParams(**fields)  # vLLM's older spelling
+
+
+@pytest.mark.parametrize("fields", [{"choice": []}, {"choice": "ab"}, {"choice": ["a", 1]}, {"regex": 5}, {"json": 3}])
+def test_structured_outputs_reject_malformed_constraints(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        StructuredOutputsParams(**fields)
