@@ -129,6 +129,7 @@ def ragged_paged_attention_reference(
     block_q: int = 1,
     tile_tokens: int | None = None,
     max_prefill_reqs: int | None = None,
+    sliding_window: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch of new tokens over the paged pool.
 
@@ -144,6 +145,11 @@ def ragged_paged_attention_reference(
     With `max_prefill_reqs` (block_q > 1 only) requests of one token get no query
     tile and their rows come out 0: `mixed_paged_attention_reference` runs them
     through the decode path instead.
+
+    With `sliding_window` (transformers' semantics) a query at position p sees only
+    keys at positions > p - sliding_window, itself included; each query tile starts
+    its walk at the first KV tile its window reaches, so the walk's length is
+    bounded by the window, not the context.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -168,21 +174,33 @@ def ragged_paged_attention_reference(
     pages_per_tile = max(1, tile_tokens // block_size)
     tile = pages_per_tile * block_size
     block_table = jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % pages_per_tile)))
+    last_table_page = block_table.shape[1] - 1
+    end_tile = (seq_len + tile - 1) // tile  # [W]
+    if sliding_window is None:
+        first_tile = jnp.zeros_like(end_tile)
+    else:
+        first_pos = jnp.min(jnp.where(row_real, position, jnp.iinfo(jnp.int32).max), axis=1)  # [W]
+        first_tile = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // tile, end_tile)
     # Everything is kv-head-major, the pool's own order, so no gathered tile is ever transposed.
     qg = q[jnp.minimum(tokens, num_tokens - 1)].astype(jnp.float32) * sm_scale  # [W, Bq, Hq, D]
     qg = qg.reshape(num_tiles_q, block_q, num_kv_heads, group, head_dim).transpose(2, 0, 1, 3, 4)
 
     def one_tile(j, carry):
         m, l, acc = carry  # [Hkv, W, Bq, G], [Hkv, W, Bq, G], [Hkv, W, Bq, G, D]
-        pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_tile, pages_per_tile, axis=1)  # [W, P]
+        kv_tile = first_tile + j  # [W]: each query tile walks from the first KV tile its window reaches
+        page_idx = kv_tile[:, None] * pages_per_tile + jnp.arange(pages_per_tile)  # [W, P]
+        # Past the table's end every key is past the row's position (masked below), so clamping is safe.
+        pages = jnp.take_along_axis(block_table, jnp.minimum(page_idx, last_table_page), axis=1)  # [W, P]
         k = k_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
         v = v_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
-        kv_pos = j * tile + jnp.arange(tile)
+        kv_pos = kv_tile[:, None] * tile + jnp.arange(tile)  # [W, tile]
         # Scores of keys past a row's position are masked below, so NaN garbage in K never
         # leaks; V's garbage would (0 * NaN), so V past each request's length is zeroed.
-        in_seq = kv_pos[None, :] < seq_len[:, None]  # [W, tile]
+        in_seq = kv_pos < seq_len[:, None]  # [W, tile]
         v = jnp.where(in_seq[None, :, :, None], v, 0.0)
-        valid = (kv_pos[None, None, :] <= position[:, :, None]) & row_real[:, :, None]  # [W, Bq, tile]
+        valid = (kv_pos[:, None, :] <= position[:, :, None]) & row_real[:, :, None]  # [W, Bq, tile]
+        if sliding_window is not None:
+            valid &= kv_pos[:, None, :] > position[:, :, None] - sliding_window
         # Batched dots (YNNPACK on XLA:CPU), also for one-query tiles: faster per decode layer than
         # the multiply-and-reduce this replaced (`python -m benchmarks.cpu_steps`).
         s = jnp.einsum("kwbgd,kwtd->kwbgt", qg, k)
@@ -201,7 +219,7 @@ def ragged_paged_attention_reference(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    num_kv_tiles = (jnp.max(metadata.seq_lens) + tile - 1) // tile
+    num_kv_tiles = jnp.max(end_tile - first_tile)
     _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init)
     out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(1, 2, 0, 3, 4)  # [W, Bq, Hkv, G, D]
     out = out.reshape(num_tiles_q * block_q, num_q_heads, head_dim).astype(q.dtype)
@@ -219,6 +237,8 @@ def paged_decode_attention_reference(
     seq_lens: Int[Array, "reqs"],
     block_tables: Int[Array, "reqs max_blocks"],
     sm_scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> Float[Array, "reqs q_heads dim"]:
     """Decode: one new token per request, attending to all seq_lens[r] cached tokens.
 
@@ -232,7 +252,7 @@ def paged_decode_attention_reference(
         seq_lens=seq_lens,
         block_tables=block_tables,
     )
-    return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale)
+    return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, sliding_window=sliding_window)
 
 
 def mixed_paged_attention_reference(
@@ -244,6 +264,7 @@ def mixed_paged_attention_reference(
     *,
     block_q: int,
     max_prefill_reqs: int,
+    sliding_window: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
     """The ragged reference for a step where at most `max_prefill_reqs` requests have 2+ tokens.
 
@@ -259,10 +280,12 @@ def mixed_paged_attention_reference(
     last_token = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
     one_token = q_lens == 1
     decoded = paged_decode_attention_reference(
-        q[last_token], k_pages, v_pages, jnp.where(one_token, metadata.seq_lens, 0), metadata.block_tables, sm_scale
+        q[last_token], k_pages, v_pages, jnp.where(one_token, metadata.seq_lens, 0), metadata.block_tables, sm_scale,
+        sliding_window=sliding_window,
     )
     prefilled = ragged_paged_attention_reference(
-        q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, max_prefill_reqs=max_prefill_reqs
+        q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, max_prefill_reqs=max_prefill_reqs,
+        sliding_window=sliding_window,
     )
     req, is_real = token_request_ids(query_start_loc, num_tokens)
     return jnp.where((one_token[req] & is_real)[:, None, None], decoded[req], prefilled)
