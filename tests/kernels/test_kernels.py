@@ -256,3 +256,20 @@ def test_interpreted_backend_equals_xla_backend(decode_only: bool):
         for backend in ("pallas_interpret", "xla")
     ]
     assert_matches(*outs, case.tolerance)
+
+
+def test_windowed_attention_runs_on_the_xla_backend_and_is_refused_by_the_kernels_without_it():
+    rng = np.random.default_rng(5)
+    case = Case(8, 32, 2, "float32")
+    q_lens, seq_lens, num_tokens = mixed_batch(8)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    q = random_q(rng, case, num_tokens)
+    metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
+    windowed = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, block_q=4, sliding_window=8)
+    out = attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan("xla"), sliding_window=8)
+    assert_matches(out, windowed, case.tolerance)
+    full = attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan("xla"))
+    assert not np.allclose(np.asarray(out), np.asarray(full))  # the window binds in this batch
+    for backend in ("cpp", "pallas_interpret"):
+        with pytest.raises(ValueError, match="only the 'xla' backend"):
+            attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan(backend), sliding_window=8)

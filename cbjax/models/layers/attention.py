@@ -168,26 +168,35 @@ def attention(
     metadata: AttentionMetadata,
     sm_scale: float,
     plan: AttentionPlan,
+    sliding_window: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """Paged attention of one step's tokens, run as `plan` says."""
+    """Paged attention of one step's tokens, run as `plan` says; `sliding_window` is the layer's (static)."""
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
+    if sliding_window is not None and backend != "xla":
+        raise ValueError(
+            f"sliding_window={sliding_window} with attention backend {backend!r}: only the 'xla' backend (the jnp "
+            f"reference) has sliding-window attention so far; serve with attention_backend='xla'"
+        )
     if backend == "cpp":
         return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale)
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(
-                q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale
+                q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, sliding_window=sliding_window
             )
         # Query tiles share each gathered page: a 512-token prefill's attention ran
         # 120 -> 11 ms per layer on XLA:CPU against one query per tile, a mixed batch 70 -> 22 ms.
         if max_num_prefills is not None:
             return mixed_paged_attention_reference(
-                q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q, max_prefill_reqs=max_num_prefills
+                q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q, max_prefill_reqs=max_num_prefills,
+                sliding_window=sliding_window,
             )
         block_q = xla_mixed_block_q(q.shape[0], metadata.seq_lens.shape[0])
-        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, block_q=block_q)
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, sliding_window=sliding_window
+        )
     interpret = backend == "pallas_interpret"
     if decode_only:
         return paged_decode_attention(
@@ -204,6 +213,7 @@ def write_kv_and_attend(
     metadata: AttentionMetadata,
     sm_scale: float,
     plan: AttentionPlan,
+    sliding_window: int | None = None,
 ) -> tuple[Float[Array, "tokens q_heads dim"], tuple[Array, Array]]:
     """One layer's KV write and attention: the step's new K/V go into the pool, then every token attends.
 
@@ -216,16 +226,19 @@ def write_kv_and_attend(
         # no communication. The metadata is replicated.
         heads, pool = P(None, MODEL_AXIS, None), P(MODEL_AXIS)
         per_shard = jax.shard_map(
-            functools.partial(write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None)),
+            functools.partial(
+                write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None),
+                sliding_window=sliding_window,
+            ),
             mesh=plan.mesh,
             in_specs=(heads, heads, heads, (pool, pool), P()),
             out_specs=(heads, (pool, pool)),
             check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
         )
         return per_shard(q, k, v, kv_cache, metadata)
-    if plan.backend == "cpp":
+    if plan.backend == "cpp" and sliding_window is None:
         out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
-    return attention(q, k_pages, v_pages, metadata, sm_scale, plan), (k_pages, v_pages)
+    return attention(q, k_pages, v_pages, metadata, sm_scale, plan, sliding_window), (k_pages, v_pages)
 
