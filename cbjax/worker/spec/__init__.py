@@ -1,0 +1,1 @@
+"""Speculative-decoding proposers (issue 37): host-side drafts the step verifies."""
