@@ -219,7 +219,7 @@ def ragged_paged_attention_reference(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    num_kv_tiles = jnp.max(end_tile - first_tile)
+    num_kv_tiles = jnp.max(end_tile - first_tile, initial=0)  # a step with no query tiles walks none
     _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init)
     out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(1, 2, 0, 3, 4)  # [W, Bq, Hkv, G, D]
     out = out.reshape(num_tiles_q * block_q, num_q_heads, head_dim).astype(q.dtype)
