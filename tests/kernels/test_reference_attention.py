@@ -92,7 +92,7 @@ def test_decode_reference_equals_dense_attention_and_padded_rows_give_zero():
         max_blocks=5, num_tokens=6, num_reqs=6,
     )
     decode = jax.jit(functools.partial(paged_decode_attention_reference, sm_scale=32**-0.5))
-    out = np.asarray(decode(q, k_pages, v_pages, metadata))
+    out = np.asarray(decode(q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables))
     np.testing.assert_allclose(out[:5], expected[:5], atol=2e-5)
     assert not out[5].any()
 
