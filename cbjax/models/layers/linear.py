@@ -10,15 +10,20 @@ from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
+from kernels_cpu.quant import check_quantization, int8_matmul, quantize_int8
 
 
 class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
     `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
-    else its jnp reference. An unpacked kernel ([in, out]) is nnx.Linear's dot."""
+    else its jnp reference. An int8 kernel ([in, out], with `scales` [out] set by `quantize_linears`)
+    is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is nnx.Linear's dot."""
 
     def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
+        if kernel.dtype == jnp.int8:
+            y = int8_matmul(x, kernel, self.scales[...])
+            return y if self.bias is None else y + self.bias[...]
         if kernel.ndim == 2:
             return super().__call__(x)
         y = packed_matmul_cpu(x, kernel) if plan.backend == "cpp" else packed_matmul_reference(x, kernel)
@@ -42,6 +47,20 @@ def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[s
     for name in list(params):
         if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
+    return params
+
+
+def quantize_linears(params: dict[str, np.ndarray], quantization: str | None) -> dict[str, np.ndarray]:
+    """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant):
+    `...kernel` int8 and `...scales` [out] float32 beside it. Embeddings and the LM head stay in the
+    activation dtype (their rows are gathered, and the head's error lands on every logit). One
+    tensor at a time: each quantized copy replaces its original."""
+    check_quantization(quantization)
+    if quantization is None:
+        return params
+    for name in list(params):
+        if ".layers." in name and name.endswith("_proj.kernel"):
+            params[name], params[name.removesuffix("kernel") + "scales"] = quantize_int8(params.pop(name))
     return params
 
 
