@@ -43,7 +43,7 @@ TINY_DEFAULTS = dict(
 # Per-architecture defaults that make the tiny model exercise what is special about it.
 ARCH_DEFAULTS = {
     "llama": {},
-    "mistral": dict(sliding_window=None),  # sliding-window attention is rejected by cbjax
+    "mistral": dict(sliding_window=None),  # full attention unless a test sets a window (test_registry.py)
     "qwen2": {},
     "qwen3": dict(head_dim=32),  # head_dim != hidden_size / num_attention_heads (16)
     "olmo2": dict(pad_token_id=0),  # its default pad id 1 is the tiny models' bos

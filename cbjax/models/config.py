@@ -55,6 +55,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
     sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the rest: intermediate_size, dense)
+    # Each layer's sliding window (a query at p sees keys at positions > p - window), None: full
+    # attention; () when no layer has one.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -78,7 +84,6 @@ class ModelConfig:
                 f"num_key_value_heads={num_key_value_heads}; grouped-query attention needs it to be"
             )
         rope_theta, rope_scaling = _rope(hf)
-        _reject_sliding_window(hf, entry.sliding_window_in_use)
         eos = hf.get("eos_token_id")
         return cls(
             architecture=entry.name,
@@ -98,6 +103,7 @@ class ModelConfig:
             dtype=_dtype(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            sliding_windows=_sliding_windows(hf, entry.sliding_window_layers),
         )
 
 
@@ -126,26 +132,18 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     )
 
 
-def _reject_sliding_window(hf: dict[str, Any], in_use_without_layer_types: Callable[[dict[str, Any]], bool]) -> None:
-    """Sliding-window attention is not implemented: refuse any config where the window would bind.
-
-    A window at least max_position_embeddings long never masks anything, so it is exact to ignore.
-    A shorter one would silently change outputs past the window, so it is an error, with the fix.
-    """
+def _sliding_windows(hf: dict[str, Any], family_layers: Callable[[dict[str, Any]], list[bool]]) -> tuple[int | None, ...]:
+    """Each layer's window: from 4.x/5.x `layer_types` where the config has them, else the family's
+    rule (the registry's sliding_window_layers). A window at least max_position_embeddings long
+    never masks anything, so it is dropped (full attention, the same outputs, the faster kernels)."""
     window = hf.get("sliding_window")
-    max_positions = hf.get("max_position_embeddings", 2048)
-    if window is None or window >= max_positions:
-        return
-    if "layer_types" in hf and hf["layer_types"] is not None:
-        in_use = "sliding_attention" in hf["layer_types"]
-    else:  # the family's rule (the registry's sliding_window_in_use)
-        in_use = in_use_without_layer_types(hf)
-    if in_use:
-        raise ValueError(
-            f"sliding_window={window} < max_position_embeddings={max_positions}: sliding-window attention is "
-            f"not supported; set \"sliding_window\": null in config.json to run full attention (identical "
-            f"for sequences up to {window} tokens)"
-        )
+    if window is None or window >= hf.get("max_position_embeddings", 2048):
+        return ()
+    if hf.get("layer_types") is not None:
+        windowed = [kind == "sliding_attention" for kind in hf["layer_types"]]
+    else:
+        windowed = family_layers(hf)
+    return tuple(int(window) if w else None for w in windowed) if any(windowed) else ()
 
 
 def _dtype(hf: dict[str, Any]) -> str:

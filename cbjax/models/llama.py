@@ -44,9 +44,10 @@ class DerivedWeight(nnx.Variable):
 
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
-                 fused: bool = False):
+                 fused: bool = False, layer_index: int = 0):
         hidden, head_dim = config.hidden_size, config.head_dim
         self.config = config
+        self.sliding_window = config.sliding_window(layer_index)  # static: None for full attention
         projection = lambda i, o, bias: linear(i, o, bias, dtype, rngs, activation_dtype)  # noqa: E731
         q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         self.fused = fused
@@ -79,7 +80,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(config)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.head_dim**-0.5, plan)
+        out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.head_dim**-0.5, plan, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, -1), plan), kv_pool
 
 
@@ -126,7 +127,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
                  fused: bool = False, layer_index: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
+        self.self_attn = Attention(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused,
+                                   layer_index=layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = feed_forward(config, layer_index, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused)
 

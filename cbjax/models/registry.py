@@ -81,13 +81,18 @@ class GGUFNames:
     required_global: tuple[str, ...]  # GGUF names a file must hold (others, e.g. an untied head, may be absent)
 
 
-def _never(hf: dict[str, Any]) -> bool:
-    return False
+def _no_layer(hf: dict[str, Any]) -> list[bool]:
+    return [False] * hf["num_hidden_layers"]
 
 
-def _uses_sliding_window_when_enabled(hf: dict[str, Any]) -> bool:
+def _every_layer(hf: dict[str, Any]) -> list[bool]:
+    return [True] * hf["num_hidden_layers"]
+
+
+def _windowed_from_max_window_layers(hf: dict[str, Any]) -> list[bool]:
     """Qwen2/3 (4.x configs without layer_types): the window applies only when enabled, from max_window_layers on."""
-    return bool(hf.get("use_sliding_window")) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+    enabled, first = bool(hf.get("use_sliding_window")), hf.get("max_window_layers", 0)
+    return [enabled and layer >= first for layer in range(hf["num_hidden_layers"])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +105,8 @@ class Architecture:
     # The family's own ModelConfig fields, read from config.json (attention_bias, attention_out_bias, mlp_bias,
     # qk_norm, and the mixture-of-experts fields).
     config_fields: Callable[[dict[str, Any]], dict[str, Any]]
-    # Whether a config's sliding window (shorter than max_position_embeddings) applies to some layer,
-    # for configs without 4.x/5.x `layer_types`.
-    sliding_window_in_use: Callable[[dict[str, Any]], bool] = _never
+    # Which layers a config's sliding window applies to, per layer, for configs without 4.x/5.x `layer_types`.
+    sliding_window_layers: Callable[[dict[str, Any]], list[bool]] = _no_layer
     tensor_parallel: TensorParallelPlan = TensorParallelPlan()
     kv_cache: Callable[[ModelConfig], KVCacheSpec] = every_layer_full_attention
     gguf: GGUFNames | None = None  # None: `cbjax import-gguf` does not take the family
@@ -199,19 +203,19 @@ LLAMA_GGUF = GGUFNames(
 ARCHITECTURES: dict[str, Architecture] = {entry.name: entry for entry in (
     Architecture("LlamaForCausalLM", "llama", "cbjax.models.llama:LlamaForCausalLM", _llama_fields, gguf=LLAMA_GGUF),
     Architecture("MistralForCausalLM", "mistral", "cbjax.models.llama:LlamaForCausalLM", _llama_fields,
-                 sliding_window_in_use=lambda hf: True),
+                 sliding_window_layers=_every_layer),
     Architecture("Qwen2ForCausalLM", "qwen2", "cbjax.models.llama:LlamaForCausalLM", _qwen2_fields,
-                 sliding_window_in_use=_uses_sliding_window_when_enabled),
+                 sliding_window_layers=_windowed_from_max_window_layers),
     Architecture("Qwen3ForCausalLM", "qwen3", "cbjax.models.llama:LlamaForCausalLM", _qwen3_fields,
-                 sliding_window_in_use=_uses_sliding_window_when_enabled),
+                 sliding_window_layers=_windowed_from_max_window_layers),
     # q/k norms span every head, so k_norm's scale repeats with its KV heads.
     Architecture("Olmo2ForCausalLM", "olmo2", "cbjax.models.olmo2:Olmo2ForCausalLM", _olmo2_fields,
                  tensor_parallel=TensorParallelPlan(kv_head_columns=("k_proj", "v_proj", "k_norm"))),
     # Mixture-of-experts: Llama's layers whose MLP is a router and stacked experts (models/layers/moe.py).
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "cbjax.models.llama:LlamaForCausalLM", _qwen3_moe_fields,
-                 sliding_window_in_use=_uses_sliding_window_when_enabled),
+                 sliding_window_layers=_windowed_from_max_window_layers),
     Architecture("MixtralForCausalLM", "mixtral", "cbjax.models.llama:LlamaForCausalLM", _mixtral_fields,
-                 sliding_window_in_use=lambda hf: True,
+                 sliding_window_layers=_every_layer,
                  hf_module_names={"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 )}
 

@@ -181,7 +181,6 @@ def test_transformers_4x_and_5x_config_styles_parse_the_same():
     [
         (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), r"rope_type='yarn'.*llama3"),
         (dict(hidden_act="gelu"), r"hidden_act='gelu'.*'silu'"),
-        (dict(architectures=["MistralForCausalLM"], sliding_window=64), r"sliding_window=64 < .*\"sliding_window\": null"),
         (dict(num_key_value_heads=3), r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ],
 )
@@ -194,4 +193,20 @@ def test_unsupported_config_options_are_named(changes, message):
 def test_mistral_window_longer_than_context_is_accepted():
     hf = transformers.MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=4096,
                                     max_position_embeddings=4096).to_dict()
-    assert ModelConfig.from_hf_config(hf).architecture == "MistralForCausalLM"
+    parsed = ModelConfig.from_hf_config(hf)
+    assert parsed.architecture == "MistralForCausalLM" and parsed.sliding_windows == ()  # it never masks: full attention
+
+
+@pytest.mark.parametrize(("config", "windows"), [
+    (dict(architectures=["MistralForCausalLM"], sliding_window=64), (64, 64, 64)),  # Mistral: every layer
+    (dict(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True, max_window_layers=1),
+     (None, 64, 64)),  # 4.x Qwen2: from max_window_layers on
+    (dict(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False), ()),
+    (dict(architectures=["Qwen3ForCausalLM"], sliding_window=64,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"]), (64, None, 64)),  # 5.x layer_types
+])
+def test_each_layers_sliding_window_is_read_as_transformers_applies_it(config, windows):
+    hf = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=3,
+                                  max_position_embeddings=256).to_dict()
+    hf.pop("layer_types", None)
+    assert ModelConfig.from_hf_config({**hf, **config}).sliding_windows == windows

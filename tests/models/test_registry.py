@@ -19,7 +19,7 @@ from cbjax.plan.accelerators import ACCELERATORS
 from cbjax.plan.capacity import load_model_config, plan_capacity
 from engine_helpers import hf_greedy
 from helpers_hf import ARCHITECTURES as HF_ARCHITECTURES, load_hf_model, make_tiny_hf_model
-from tiny_checkpoint import make_tiny_checkpoint
+from tiny_checkpoint import TINY_VOCAB, make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +89,30 @@ def test_plan_counts_olmo2_weights_with_its_whole_projection_norms(tmp_path, tp)
     assert p.weight_bytes_per_device == 2 * params
     assert tp > 1 or params == 7_298_617_344
     assert p.kv_bytes_per_token_per_device == 2 * (32 // tp) * 128 * 2 * 32
+
+
+def test_mistral_with_a_window_shorter_than_the_prompt_serves_greedy_like_transformers(tmp_path):
+    """Window 6 against prompts of 21, 9 and 1 tokens, prefilled in chunks of 16 beside decodes; on the
+    jnp reference, the one backend with the window so far. Full attention gives other tokens."""
+    hf_dir, ckpt = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=6)
+    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=8, dtype="float32")
+    assert llm.llm_engine.backend == "xla"
+    prompts = [[3 + (5 * i + 11 * n) % 290 for i in range(n)] for n in (21, 9, 1)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    want = [hf_greedy(hf_dir, p, 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    full = make_tiny_hf_model(tmp_path, "mistral", name="full", vocab_size=TINY_VOCAB, max_position_embeddings=512)
+    assert [hf_greedy(full, p, 8) for p in prompts] != want  # the same weights without the window
+
+
+@pytest.mark.parametrize("backend", ["cpp", "pallas", "pallas_interpret"])
+def test_a_windowed_model_refuses_a_backend_without_the_window(backend):
+    from cbjax.models.layers.attention import resolve_backend
+
+    with pytest.raises(ValueError, match=f"attention_backend='{backend}' has no sliding-window attention yet.*'auto' or 'xla'"):
+        resolve_backend(backend, sliding_window=True)
+    assert resolve_backend("auto", sliding_window=True) == "xla"
 
 
 def test_olmo2_serves_through_the_engine_greedy_like_transformers(tmp_path):

@@ -105,15 +105,25 @@ def resolve_backend(
     head_dim: int = 128,
     block_size: int = 16,
     wait_for_kernel: bool = True,
+    sliding_window: bool = False,
 ) -> str:
     """Turn a user's choice ("auto" included) into one of BACKENDS, and log it once.
 
     The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU. With
     wait_for_kernel=False, a C++ kernel still being built (kernels_cpu.register_in_background)
     counts as usable; whoever compiles a step first checks the build (cpu_kernel_fallback).
+    A model with sliding-window layers runs the jnp reference ("xla"), the only backend with the
+    window so far.
     """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
+    if sliding_window:
+        if requested not in ("auto", "xla"):
+            raise ValueError(f"attention_backend={requested!r} has no sliding-window attention yet, and this model's "
+                             "layers have a window; use attention_backend='auto' or 'xla' (the jnp reference)")
+        logger.info("attention backend: xla (requested %s): the model has sliding-window layers, which only the jnp "
+                    "reference runs so far", requested)
+        return "xla"
     chosen = "xla" if requested == "auto" else requested
     platform = jax.devices()[0].platform
     if requested == "cpp" and platform != "cpu":
