@@ -18,10 +18,9 @@ def lowering_target(platform: str, device_kind: str = DEFAULT_CUDA_TARGET) -> co
     device"); an abstract mesh naming the target device answers it. Other platforms, and jax
     versions without abstract devices, need nothing.
     """
-    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
-    if platform != "cuda" or abstract_device is None or any(d.platform == "gpu" for d in jax.devices()):
+    target = _gpu_target(platform, jax.devices(), device_kind)
+    if target is None:
         return contextlib.nullcontext()
-    target = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=target))
 
 
@@ -30,9 +29,17 @@ def lowering_mesh(platform: str, mesh: jax.sharding.Mesh, device_kind: str = DEF
     devices) cannot answer the kernels' question: an abstract mesh of the same axes on the target
     GPU. Inside shard_map the kernels ask the mesh, not the context, so lowering_target alone does
     not reach them (jax 0.11: "No supported GPU devices found"). None where nothing is needed."""
-    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
-    if platform != "cuda" or abstract_device is None or any(d.platform == "gpu" for d in mesh.devices.flat):
+    target = _gpu_target(platform, mesh.devices.flat, device_kind)
+    if target is None:
         return None
-    target = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
     return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types),
                                      abstract_device=target)
+
+
+def _gpu_target(platform: str, devices, device_kind: str):
+    """The abstract GPU to lower for: None for other platforms, where `devices` has a GPU to ask, or on
+    jax versions without abstract devices."""
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if platform != "cuda" or abstract_device is None or any(d.platform == "gpu" for d in devices):
+        return None
+    return abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
