@@ -5,12 +5,12 @@ Layout: a narrow per-request column of mask row indices (-1: unconstrained) and 
 constrained rows, so a batch without a constrained request carries no full-vocabulary column."""
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int32
+from jaxtyping import Array, Bool, Float, Int32
 
 _BITS = 32
 
 
-def unpack_bitmask(bitmask: Int32[Array, "M W"], vocab: int) -> Int32[Array, "M V"]:
+def unpack_bitmask(bitmask: Int32[Array, "M W"], vocab: int) -> Bool[Array, "M V"]:
     """Bool [M, vocab]: True where the packed mask allows the token; ids past 32 * W are disallowed."""
     shifts = jnp.arange(_BITS, dtype=jnp.int32)
     bits = (jnp.right_shift(bitmask[:, :, None], shifts) & 1).reshape(bitmask.shape[0], -1).astype(bool)
