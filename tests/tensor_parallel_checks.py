@@ -45,7 +45,7 @@ from cbjax.models.layers.mesh import MODEL_AXIS  # noqa: E402
 ENGINE_OPTIONS = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, block_size=8)
 # Per-device pool budgets of 20 blocks (hand-worked in the test): too small for all four requests at
 # once, so some are preempted and recomputed.
-KV_CACHE_MEMORY_BYTES = {"llama": 40960, "qwen2": 40960, "qwen3": 81920, "olmo2": 40960, "qwen3_moe": 81920, "mixtral": 40960}
+KV_CACHE_MEMORY_BYTES = {"llama": 40960, "mixtral": 40960}
 PROMPT_LENGTHS = (60, 45, 37, 5)  # chunked: longer than max_num_batched_tokens
 MAX_TOKENS = 10
 # Seeded sampling: the first two rows take the devices' candidates under TP, the third (top-p alone)
@@ -129,9 +129,11 @@ def abstract_lowering(config: ModelConfig, tp: int) -> dict:
     return found
 
 
-def moe_logits(ckpt: Path, tp: int) -> dict:
-    """A mixture-of-experts model's float32 logits at every position of one prompt (prefilled in one mixed
-    step from a NaN pool), with its experts split over `tp` devices, and each expert kernel's shard shapes."""
+def tp_logits(ckpt: Path, tp: int) -> dict:
+    """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
+    pool) with its weights split over `tp` devices, and every weight's shape and shard shapes. A forward
+    pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the engine's TP
+    path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
     from cbjax.models.layers.attention import AttentionPlan
     from cbjax.models.layers.kv_pool import init_kv_pool
@@ -151,9 +153,10 @@ def moe_logits(ckpt: Path, tp: int) -> dict:
     plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh)
     step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
         jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
-    experts = {param_name(path): sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})
-               for path, variable in nnx.to_flat_state(state) if ".experts." in param_name(path)}
-    return {"logits": np.asarray(step(state, pool)).tolist(), "expert_shard_shapes": experts}
+    weights = {param_name(path): {"shape": list(variable.shape),
+                                  "shard_shapes": sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})}
+               for path, variable in nnx.to_flat_state(state)}
+    return {"logits": np.asarray(step(state, pool)).tolist(), "weights": weights}
 
 
 def sharded_sampling() -> dict:
@@ -234,12 +237,11 @@ def main() -> None:
                     **{family: str(dirs[0]) for family, dirs in moe.items()}},
         "prompts": prompts(),
         "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles)},
-        "qwen2": {4: serve("qwen2", qwen2[1], 4, compiles)},
         "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
-        "qwen3": {4: serve("qwen3", qwen3[1], 4, compiles)},
-        "olmo2": {4: serve("olmo2", olmo2[1], 4, compiles)},
         "mixtral": {4: serve("mixtral", moe["mixtral"][1], 4, compiles)},
-        "moe_logits": {family: {tp: moe_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()},
+        "logits": {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()}
+        | {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 4)}
+           for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2))},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),
