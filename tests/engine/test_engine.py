@@ -128,13 +128,9 @@ ON_CPU = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ 
 
 
 @ON_CPU
-def test_jnp_attention_backend_matches_transformers(tiny, expected, llm):
-    # The default engine on a CPU serves with the C++ kernel; the jnp path is the fallback.
+def test_the_default_cpu_engine_serves_with_the_cpp_kernel(llm):
+    # The jnp path is the fallback; its greedy tokens equal transformers' in the kernel-build test above.
     assert llm.llm_engine.backend == "cpp"
-    prompts, want = expected
-    jnp_path = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(attention_backend="xla")))
-    outs = jnp_path.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def packed_weights(llm) -> int:
