@@ -160,6 +160,22 @@ def _olmo2_fields(hf: dict[str, Any]) -> dict[str, bool]:
     return {**_llama_fields(hf), "mlp_bias": False}
 
 
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Per-head q/k norms, scores scaled by query_pre_attn_scalar, optionally capped logits; no attention path
+    caps scores, so a config that asks for it is refused."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported: no attention "
+                         "backend caps attention scores; only configs with attn_logit_softcapping null (Gemma 3's) load")
+    return {**_qwen3_fields(hf), "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": hf.get("final_logit_softcapping")}
+
+
+def _every_nth_layer_global(hf: dict[str, Any]) -> list[bool]:
+    """Gemma 3 (configs without layer_types): every sliding_window_pattern-th layer is global, the rest slide."""
+    pattern = hf.get("sliding_window_pattern", 6)
+    return [(layer + 1) % pattern != 0 for layer in range(hf["num_hidden_layers"])]
+
+
 def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3's attention; experts in every `decoder_sparse_step`-th layer except `mlp_only_layers` (dense,
     intermediate_size wide), as transformers' Qwen3MoeDecoderLayer picks them."""
@@ -211,6 +227,9 @@ ARCHITECTURES: dict[str, Architecture] = {entry.name: entry for entry in (
     # q/k norms span every head, so k_norm's scale repeats with its KV heads.
     Architecture("Olmo2ForCausalLM", "olmo2", "cbjax.models.olmo2:Olmo2ForCausalLM", _olmo2_fields,
                  tensor_parallel=TensorParallelPlan(kv_head_columns=("k_proj", "v_proj", "k_norm"))),
+    # Local (sliding, own RoPE base) and global layers; Gemma's norms, embedding scale and GELU-tanh MLP.
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "cbjax.models.gemma3:Gemma3ForCausalLM", _gemma3_fields,
+                 sliding_window_layers=_every_nth_layer_global),
     # Mixture-of-experts: Llama's layers whose MLP is a router and stacked experts (models/layers/moe.py).
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "cbjax.models.llama:LlamaForCausalLM", _qwen3_moe_fields,
                  sliding_window_layers=_windowed_from_max_window_layers),
