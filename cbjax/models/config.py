@@ -94,6 +94,7 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read a transformers 4.x or 5.x config.json dict; reject what the engine cannot run exactly."""
         entry = architecture_of_hf_config(hf)
+        hf = {**entry.hf_defaults, **hf}
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")  # Gemma names it hidden_activation
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"hidden_act={hidden_act!r} is not supported; supported: "

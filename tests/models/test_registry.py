@@ -13,7 +13,7 @@ import pytest
 
 from cbjax import LLM, SamplingParams
 from cbjax.checkpoint.params import expected_params, hf_to_params, stack_experts
-from cbjax.models.config import ModelConfig, RopeScaling
+from cbjax.models.config import ModelConfig
 from cbjax.models.registry import ARCHITECTURES, kv_cache_bytes_per_block, kv_cache_spec
 from cbjax.plan.accelerators import ACCELERATORS
 from cbjax.plan.capacity import load_model_config, plan_capacity
@@ -135,38 +135,3 @@ def test_gemma3_serves_through_the_engine_greedy_like_transformers(tmp_path):
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_dir, p, 8) for p in prompts]
 
-
-GEMMA3_1B_4X_CONFIG = dict(  # google/gemma-3-1b-it's config.json as transformers 4.x wrote it (no layer_types)
-    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
-    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768, query_pre_attn_scalar=256,
-    rope_local_base_freq=10000, rope_theta=1000000, rope_scaling=None, sliding_window=512, sliding_window_pattern=6,
-    attn_logit_softcapping=None, final_logit_softcapping=None, rms_norm_eps=1e-6, torch_dtype="bfloat16",
-    bos_token_id=2, eos_token_id=[1, 106])
-
-
-@pytest.mark.parametrize("form", ["4.x", "5.x"])
-def test_gemma3_config_gives_every_sixth_layer_global_attention_and_rope(form):
-    hf = dict(GEMMA3_1B_4X_CONFIG)
-    if form == "5.x":  # what transformers 5 writes: layer types and RoPE parameters keyed by them
-        hf["layer_types"] = HF_ARCHITECTURES["gemma3_text"][0](**hf).layer_types
-        hf["rope_parameters"] = dict(full_attention=dict(rope_type="default", rope_theta=1e6),
-                                     sliding_attention=dict(rope_type="default", rope_theta=1e4))
-        for old in ("rope_local_base_freq", "rope_theta", "rope_scaling", "sliding_window_pattern"):
-            hf.pop(old)
-    config = ModelConfig.from_hf_config(hf)
-    global_layers = [5, 11, 17, 23]  # (layer + 1) % 6 == 0
-    assert [layer for layer, window in enumerate(config.sliding_windows) if window is None] == global_layers
-    assert {config.sliding_window(layer) for layer in range(26) if layer not in global_layers} == {512}
-    assert [config.rope(layer)[0] for layer in (0, 4, 5, 6, 23, 25)] == [1e4, 1e4, 1e6, 1e4, 1e6, 1e4]
-    assert config.sm_scale == 256**-0.5 and config.hidden_act == "gelu_pytorch_tanh" and config.qk_norm
-
-
-def test_gemma3_with_global_rope_scaling_scales_only_the_global_layers():
-    config = ModelConfig.from_hf_config({**GEMMA3_1B_4X_CONFIG, "rope_scaling": dict(rope_type="linear", factor=8.0)})
-    assert config.rope(5) == (1e6, RopeScaling("linear", factor=8.0)) and config.rope(0) == (1e4, RopeScaling())
-
-
-def test_gemma_attention_logit_softcapping_is_refused_by_name():
-    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
-        ModelConfig.from_hf_config({**GEMMA3_1B_4X_CONFIG, "attn_logit_softcapping": 50.0})
