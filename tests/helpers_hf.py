@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 TINY_DEFAULTS = dict(
@@ -51,6 +52,13 @@ ARCH_DEFAULTS = {
     "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
                       mlp_only_layers=[1], norm_topk_prob=False),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
+    # 4 layers, local and global alternating (4.x's sliding_window_pattern) with their own RoPE bases, the
+    # global one linearly scaled; a window of 5 (shorter than the tests' prompts); scores scaled by 20 ** -0.5,
+    # not head_dim's; logits capped at 4 (uncapped they reach about 6, so the tanh bends the largest).
+    "gemma3_text": dict(num_hidden_layers=4, head_dim=32, sliding_window=5, sliding_window_pattern=2, rope_theta=1000.0,
+                        rope_local_base_freq=50.0, rope_scaling=dict(rope_type="linear", factor=2.0),
+                        query_pre_attn_scalar=20, final_logit_softcapping=4.0, tie_word_embeddings=True,
+                        pad_token_id=0),
 }
 
 

@@ -36,6 +36,8 @@ from kernels_pallas.reference import AttentionMetadata
 # Column blocks of the transposed tied head: separate arrays, as slicing one array inside the step
 # makes XLA:CPU copy it, and XLA:CPU runs their dots side by side (benchmarks/decode_dots_bandwidth.py --tied-head).
 TIED_HEAD_PARTS = 4
+# ModelConfig.hidden_act -> the MLP's gate activation; gelu_pytorch_tanh is GELU's tanh approximation.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 class DerivedWeight(nnx.Variable):
@@ -47,6 +49,7 @@ class Attention(nnx.Module):
                  fused: bool = False, layer_index: int = 0):
         hidden, head_dim = config.hidden_size, config.head_dim
         self.config = config
+        self.layer_index = layer_index
         self.sliding_window = config.sliding_window(layer_index)  # static: None for full attention
         projection = lambda i, o, bias: linear(i, o, bias, dtype, rngs, activation_dtype)  # noqa: E731
         q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -78,9 +81,9 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, config.num_key_value_heads, config.head_dim)
         if config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(config)
+        inv_freq = rope_inv_freq(config, self.layer_index)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.head_dim**-0.5, plan, self.sliding_window)
+        out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.sm_scale, plan, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, -1), plan), kv_pool
 
 
@@ -99,6 +102,7 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
                  fused: bool = False):
         hidden, inner = config.hidden_size, config.intermediate_size
+        self.hidden_act = config.hidden_act
         self.fused = fused
         if fused:  # gate and up columns side by side in one kernel (fuse_projections)
             self.gate_up_proj = linear(hidden, 2 * inner, config.mlp_bias, dtype, rngs, activation_dtype)
@@ -112,7 +116,7 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x, plan), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x, plan), self.up_proj(x, plan)
-        return self.down_proj(jax.nn.silu(gate) * up, plan)
+        return self.down_proj(ACTIVATIONS[self.hidden_act](gate) * up, plan)
 
 
 def feed_forward(config: ModelConfig, layer_index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
@@ -159,13 +163,14 @@ def _decoder_layer(
 
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation_dtype: jnp.dtype | None = None,
-                 fused: bool = False, decoder_layer: type[nnx.Module] = DecoderLayer):
+                 fused: bool = False, decoder_layer: type[nnx.Module] = DecoderLayer,
+                 final_norm: type[RMSNorm] = RMSNorm):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
             decoder_layer(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused, layer_index=index)
             for index in range(config.num_hidden_layers)
         ])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = final_norm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -181,10 +186,11 @@ class LlamaForCausalLM(nnx.Module):
     separate ones): two dots fewer per layer, and 3 arrays fewer per layer in every step's call.
 
     A family that differs only inside its decoder layer (cbjax.models.olmo2) subclasses this with its
-    own `decoder_layer`: the embedding, the layer loop over the paged pool and the head stay these.
+    own `decoder_layer` (and `final_norm`): the embedding, the layer loop over the paged pool and the head stay these.
     """
 
     decoder_layer: type[nnx.Module] = DecoderLayer
+    final_norm: type[RMSNorm] = RMSNorm
 
     def __init__(
         self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
@@ -194,7 +200,7 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
         self.model = LlamaModel(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype, fused=fused_projections,
-                                decoder_layer=self.decoder_layer)
+                                decoder_layer=self.decoder_layer, final_norm=self.final_norm)
         # Tied models reuse the embedding matrix as the LM head, so there is no lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, False, dtype, rngs, activation_dtype
@@ -252,13 +258,17 @@ class LlamaForCausalLM(nnx.Module):
                 f"the KV pool must be one (K, V) pair with num_hidden_layers ({num_layers}) x num_blocks pages "
                 f"on axis 1; got {[getattr(x, 'shape', x) for x in kv_pool]}. Build it with init_kv_pool(config, ...)"
             )
-        # A plain row gather: Embed's own call would convert the whole table to the activation dtype.
-        x = self.model.embed_tokens.embedding[...][token_ids].astype(self.activation_dtype)
+        x = self.embed(token_ids)
         for index, layer in enumerate(self.model.layers):
             graphdef, state = nnx.split(layer)
             layer_metadata = metadata.in_layer(index * num_blocks, kv_pool[0].shape[2])
             x, kv_pool = _decoder_layer(graphdef, state, x, positions, kv_pool, layer_metadata, plan)
         return x, kv_pool
+
+    def embed(self, token_ids: Int[Array, "tokens"]) -> Float[Array, "tokens hidden"]:
+        """The embedding rows of `token_ids`, in the activation dtype."""
+        # A plain row gather: Embed's own call would convert the whole table to the activation dtype.
+        return self.model.embed_tokens.embedding[...][token_ids].astype(self.activation_dtype)
 
     def compute_logits(self, hidden: Float[Array, "rows hidden"]) -> Float[Array, "rows vocab"]:
         """Final norm and LM head: float32 logits of the given rows of hidden_states."""

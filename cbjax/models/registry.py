@@ -113,6 +113,9 @@ class Architecture:
     # HF module names the model calls by the names other families use (Mixtral's block_sparse_moe.w1 is
     # mlp.gate_proj), so one model class and one tensor-parallel plan serve both.
     hf_module_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # transformers' defaults for the config.json keys a file may leave out, where they differ from what
+    # ModelConfig.from_hf_config assumes (Llama's): a key the file omits means the family's default.
+    hf_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def load_class(self) -> type:
         module, _, cls = self.model_class.partition(":")
@@ -160,6 +163,22 @@ def _olmo2_fields(hf: dict[str, Any]) -> dict[str, bool]:
     return {**_llama_fields(hf), "mlp_bias": False}
 
 
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Per-head q/k norms, scores scaled by query_pre_attn_scalar, optionally capped logits; no attention path
+    caps scores, so a config that asks for it is refused."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported: no attention "
+                         "backend caps attention scores; only configs with attn_logit_softcapping null (Gemma 3's) load")
+    return {**_qwen3_fields(hf), "query_pre_attn_scalar": float(hf["query_pre_attn_scalar"]),
+            "final_logit_softcapping": hf.get("final_logit_softcapping")}
+
+
+def _every_nth_layer_global(hf: dict[str, Any]) -> list[bool]:
+    """Gemma 3 (configs without layer_types): every sliding_window_pattern-th layer is global, the rest slide."""
+    pattern = hf.get("sliding_window_pattern", 6)
+    return [(layer + 1) % pattern != 0 for layer in range(hf["num_hidden_layers"])]
+
+
 def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3's attention; experts in every `decoder_sparse_step`-th layer except `mlp_only_layers` (dense,
     intermediate_size wide), as transformers' Qwen3MoeDecoderLayer picks them."""
@@ -178,6 +197,14 @@ def _mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
             "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
             "sparse_layers": tuple(range(hf["num_hidden_layers"]))}
 
+
+# Gemma3TextConfig's defaults (transformers 4.x and 5.x) that differ from Llama's.
+GEMMA3_HF_DEFAULTS = dict(
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, head_dim=256, max_position_embeddings=131072,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=4096, sliding_window_pattern=6,
+    query_pre_attn_scalar=256, vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, bos_token_id=2, eos_token_id=1,
+)
 
 LLAMA_GGUF = GGUFNames(
     architecture="llama",
@@ -211,6 +238,9 @@ ARCHITECTURES: dict[str, Architecture] = {entry.name: entry for entry in (
     # q/k norms span every head, so k_norm's scale repeats with its KV heads.
     Architecture("Olmo2ForCausalLM", "olmo2", "cbjax.models.olmo2:Olmo2ForCausalLM", _olmo2_fields,
                  tensor_parallel=TensorParallelPlan(kv_head_columns=("k_proj", "v_proj", "k_norm"))),
+    # Local (sliding, own RoPE base) and global layers; Gemma's norms, embedding scale and GELU-tanh MLP.
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "cbjax.models.gemma3:Gemma3ForCausalLM", _gemma3_fields,
+                 sliding_window_layers=_every_nth_layer_global, hf_defaults=GEMMA3_HF_DEFAULTS),
     # Mixture-of-experts: Llama's layers whose MLP is a router and stacked experts (models/layers/moe.py).
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "cbjax.models.llama:LlamaForCausalLM", _qwen3_moe_fields,
                  sliding_window_layers=_windowed_from_max_window_layers),

@@ -41,6 +41,9 @@ CASES = {
     "qwen3_qk_norm_head_dim32": ("qwen3", {}),
     # q/k norms over the whole projection, post-attention and post-MLP norms; biases on q/k/v and o.
     "olmo2_whole_qk_norm_with_biases": ("olmo2", dict(attention_bias=True)),
+    # Local layers (window 5, shorter than the prompts) and global ones with their own RoPE bases, Gemma's
+    # norms, scaled embeddings, GELU-tanh MLP, capped logits (helpers_hf's defaults); 16-wide heads.
+    "gemma3_local_global_head_dim16": ("gemma3_text", dict(head_dim=16)),
 }
 
 
@@ -61,10 +64,13 @@ LAYOUTS = ("plain", "packed", "fused+packed")
 # (its fused kernel packs though k and v alone would not), q/k/v biases with a tied head, and q/k
 # norms that must apply after the fused columns are split.
 FUSED_CASES = ("llama3_rope_with_biases", "mistral_gqa4", "qwen2_qkv_bias_tied", "olmo2_whole_qk_norm_with_biases")
+# Sliding-window layers: plain only, as the packed layouts run the C++ attention, which has no window yet.
+WINDOWED_CASES = ("gemma3_local_global_head_dim16",)
 
 
 @pytest.fixture(scope="module", ids="-".join, params=[
-    (case, layout) for case in CASES for layout in LAYOUTS if not layout.startswith("fused") or case in FUSED_CASES])
+    (case, layout) for case in CASES for layout in LAYOUTS
+    if (not layout.startswith("fused") or case in FUSED_CASES) and (layout == "plain" or case not in WINDOWED_CASES)])
 def loaded(request, tmp_path_factory) -> Loaded:
     case, layout = request.param
     is_packed, fused = layout.endswith("packed"), layout.startswith("fused")

@@ -92,11 +92,13 @@ def test_plan_counts_olmo2_weights_with_its_whole_projection_norms(tmp_path, tp)
     assert p.kv_bytes_per_token_per_device == 2 * (32 // tp) * 128 * 2 * 32
 
 
-def test_mistral_with_a_window_shorter_than_the_prompt_serves_greedy_like_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_a_window_shorter_than_the_prompt_serves_greedy_like_transformers(tmp_path, arch):
     """Window 11 (across block boundaries) against prompts of 37, 21, 9 and 30 tokens, in chunks of 16
     beside decodes, in a pool small enough to preempt, with prefix caching on (the fourth prompt starts
-    with the first's 24 tokens) and NaN in every free block after each step. Full attention gives other tokens."""
-    hf_dir, ckpt = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=11)
+    with the first's 24 tokens) and NaN in every free block after each step. Full attention gives other tokens.
+    Mistral windows every layer; Gemma 3 its local layers, between global ones, each kind with its own RoPE base."""
+    hf_dir, ckpt = make_tiny_checkpoint(tmp_path, arch, sliding_window=11)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 300, size=n).tolist() for n in (37, 21, 9)]
     prompts.append(prompts[0][:24] + rng.integers(3, 300, size=6).tolist())
@@ -110,8 +112,9 @@ def test_mistral_with_a_window_shorter_than_the_prompt_serves_greedy_like_transf
     assert [finished[f"r{i}"].outputs[0].token_ids for i in range(4)] == want
     assert finished["r3"].num_cached_tokens > 0
     assert engine.get_stats()["num_preemptions"] > 0
-    full = make_tiny_hf_model(tmp_path, "mistral", name="full", vocab_size=TINY_VOCAB, max_position_embeddings=512)
-    assert [hf_greedy(full, p, 6) for p in prompts] != want  # the same weights without the window
+    full = make_tiny_hf_model(tmp_path, arch, name="full", vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                              sliding_window=512)
+    assert [hf_greedy(full, p, 6) for p in prompts] != want  # the same weights, a window longer than every prompt
 
 
 def test_a_windowed_model_on_cpu_runs_the_jnp_reference_and_refuses_the_cpp_kernel():
@@ -129,3 +132,4 @@ def test_olmo2_serves_through_the_engine_greedy_like_transformers(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_dir, p, 8) for p in prompts]
+
