@@ -187,13 +187,17 @@ def ragged_paged_attention_reference(
 
     def one_tile(j, carry):
         m, l, acc = carry  # [Hkv, W, Bq, G], [Hkv, W, Bq, G], [Hkv, W, Bq, G, D]
-        kv_tile = first_tile + j  # [W]: each query tile walks from the first KV tile its window reaches
-        page_idx = kv_tile[:, None] * pages_per_tile + jnp.arange(pages_per_tile)  # [W, P]
-        # Past the table's end every key is past the row's position (masked below), so clamping is safe.
-        pages = jnp.take_along_axis(block_table, jnp.minimum(page_idx, last_table_page), axis=1)  # [W, P]
+        if sliding_window is None:  # every query tile walks tile j: one slice of the tables, not a gather
+            pages = jax.lax.dynamic_slice_in_dim(block_table, j * pages_per_tile, pages_per_tile, axis=1)  # [W, P]
+            kv_pos = (j * tile + jnp.arange(tile))[None, :]  # [1, tile]
+        else:
+            kv_tile = first_tile + j  # [W]: each query tile walks from the first KV tile its window reaches
+            page_idx = kv_tile[:, None] * pages_per_tile + jnp.arange(pages_per_tile)  # [W, P]
+            # Past the table's end every key is past the row's position (masked below), so clamping is safe.
+            pages = jnp.take_along_axis(block_table, jnp.minimum(page_idx, last_table_page), axis=1)  # [W, P]
+            kv_pos = kv_tile[:, None] * tile + jnp.arange(tile)  # [W, tile]
         k = k_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
         v = v_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
-        kv_pos = kv_tile[:, None] * tile + jnp.arange(tile)  # [W, tile]
         # Scores of keys past a row's position are masked below, so NaN garbage in K never
         # leaks; V's garbage would (0 * NaN), so V past each request's length is zeroed.
         in_seq = kv_pos < seq_len[:, None]  # [W, tile]
