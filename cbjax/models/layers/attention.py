@@ -184,13 +184,13 @@ def attention(
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
-    if sliding_window is not None and backend != "xla":
+    if sliding_window is not None and backend not in ("xla", "cpp"):
         raise ValueError(
             f"sliding_window={sliding_window} with attention backend {backend!r}: only the 'xla' backend (the jnp "
-            f"reference) has sliding-window attention so far; serve with attention_backend='xla'"
+            f"reference) and the 'cpp' CPU kernel have sliding-window attention so far; serve with one of them"
         )
     if backend == "cpp":
-        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale)
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale, sliding_window)
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(
@@ -246,8 +246,8 @@ def write_kv_and_attend(
             check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
         )
         return per_shard(q, k, v, kv_cache, metadata)
-    if plan.backend == "cpp" and sliding_window is None:
-        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
+    if plan.backend == "cpp":
+        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale, sliding_window)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
     return attention(q, k_pages, v_pages, metadata, sm_scale, plan, sliding_window), (k_pages, v_pages)
