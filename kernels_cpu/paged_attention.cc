@@ -183,6 +183,7 @@ inline float exp_nonpos(float x) {
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t u16v __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 constexpr int kWideRows = 8;
 
@@ -324,7 +325,7 @@ template <int NV>
 void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float* kc, const float* vc,
                       const float* limit, const float* start, float* sc, float* m, float* l, float* acc) {
   constexpr int dim = NV * kLanes;
-  const v16 lane = v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u16v lane = u16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int r = 0; r < rows; ++r) {
     const auto [j_lo, nk_r] = visible_keys(r, nk, c0, limit, start);
     if (j_lo == nk_r) continue;
@@ -342,9 +343,9 @@ void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float
         for (int i = 1; i < NV; ++i) dot += q[i] * *(const v16*)(kj + i * kLanes);
         part[b] = dot;
       }
-      const v16 j = splat((float)j0) + lane;
-      const v16 scores =
-          (j < splat((float)nk_r)) & (j >= splat((float)j_lo)) ? sum_lanes_of_16(part) : splat(-INFINITY);
+      // j_lo <= j < nk_r in one unsigned compare: keys before j_lo wrap around to huge offsets.
+      const u16v offset = lane + (uint32_t)(j0 - j_lo);
+      const v16 scores = offset < (uint32_t)(nk_r - j_lo) ? sum_lanes_of_16(part) : splat(-INFINITY);
       *(v16*)(sr + j0) = scores;
       vmax = scores > vmax ? scores : vmax;
     }

@@ -102,8 +102,9 @@ def test_windowed_mixed_batch_equals_reference(case: Case, window: int):
 
 
 def test_window_of_one_token_returns_each_tokens_own_value():
-    """A hand-worked case: softmax over one key is 1, so each token's output is its own V row."""
-    case = Case(8, 16, 2, "float32")
+    """A hand-worked case: softmax over one key is 1, so each token's output is its own V row. One
+    query head per KV head: items of up to 7 tokens take the narrow path, each row its own window."""
+    case = Case(8, 64, 1, "float32")
     q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
     rng = np.random.default_rng(7)
     k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
@@ -153,11 +154,14 @@ def test_long_prefill_spans_several_query_tiles_and_key_chunks(window: int | Non
     ),
     extra_tokens=st.integers(0, 5),
     window=st.one_of(st.none(), st.integers(1, MAX_BLOCKS * 8 + 2)),
+    head_dim=st.sampled_from([16, 64]),  # the scalar and the vector chunk paths
 )
-def test_random_batches_equal_reference(requests: list[tuple[int, int]], extra_tokens: int, window: int | None):
+def test_random_batches_equal_reference(
+    requests: list[tuple[int, int]], extra_tokens: int, window: int | None, head_dim: int
+):
     """Any mix of (q_len <= seq_len) requests, enough of them to spread over the worker threads, with
     full attention or any window."""
-    case = Case(8, 16, 2, "float16")
+    case = Case(8, head_dim, 2, "float16")
     q_lens = [min(q, s) for q, s in requests]
     seq_lens = [s for _, s in requests]
     out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + extra_tokens, seed=len(requests), sliding_window=window)
