@@ -4,7 +4,7 @@ expert, jax.lax.ragged_dot) against dense-masked (every expert on every token).
     python -m benchmarks.moe_matmul --result-json bench_results/moe_matmul_cpu.json
 
 For each config (tiny: the tests' 8 experts of 32; small: Mixtral's and Qwen3-MoE's expert counts at a
-hidden size of 512) and each step's token count of the default buckets (compute_buckets(64, 512):
+hidden size of 512; with --configs, the real Qwen3-30B-A3B and Mixtral-8x7B expert shapes, for a GPU) and each step's token count of the default buckets (compute_buckets(64, 512):
 decode steps of 8-64 requests, mixed steps of 16-512 tokens), one jitted call of each formulation
 (cbjax/models/layers/moe.py) on the same random tokens, routing and weights, timed alternately
 (median of --calls per round, --rounds rounds). `dense_over_grouped` is dense-masked ms over grouped
@@ -29,7 +29,10 @@ CONFIGS = {
     "tiny": (64, 8, 2, 32),
     "small-mixtral": (512, 8, 2, 1024),
     "small-qwen3-moe": (512, 64, 8, 128),
+    "qwen3-30b-a3b": (2048, 128, 8, 768),  # real sizes, for a GPU
+    "mixtral-8x7b": (4096, 8, 2, 14336),
 }
+DEFAULT_CONFIGS = ["tiny", "small-mixtral", "small-qwen3-moe"]
 
 
 def step_token_counts(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -56,7 +59,7 @@ def case(config: tuple[int, int, int, int], num_tokens: int, dtype: str, calls: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

@@ -67,6 +67,12 @@ def check_pool(q_head_dim: int, k_pages: Array, v_pages: Array) -> None:
         raise ValueError(f"q has head_dim {q_head_dim} but the pool has {k_pages.shape[3]}; they must match")
 
 
+def check_window(sliding_window: int | None) -> None:
+    """A sliding window is a positive number of keys (None: full attention)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}; give a positive number of keys, or None for full attention")
+
+
 def pick_pages_per_tile(pages_per_tile: int | None, block_size: int, default_tokens: int) -> int:
     """Pages per online-softmax step: `default_tokens` worth unless given; a power of two, >= 16 tokens."""
     if pages_per_tile is None:
@@ -111,7 +117,8 @@ def init_softmax_carry(rows: int, head_dim: int):
 def online_softmax_step(carry, q, k, v, visible, sm_scale: float):
     """Fold one K/V tile [tile, D] into the running softmax of q's rows; `visible` [rows, tile] masks scores.
 
-    The caller guarantees each row's first folded tile has a visible key, so the running max is finite.
+    A row may see no key of a tile (a sliding window that starts past it): its running max stays
+    -inf and the exponentials are taken against 0 instead, so it keeps l = 0 and acc = 0.
     """
     m, l, acc = carry
     # A pool dtype other than the activations' (an f16 pool under bf16 or f32 activations) meets q
@@ -120,8 +127,9 @@ def online_softmax_step(carry, q, k, v, visible, sm_scale: float):
     s = jax.lax.dot_general(q.astype(common), k.astype(common), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = jnp.where(visible, s * sm_scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
 
@@ -138,12 +146,15 @@ def _decode_kernel(
     sm_scale: float,
     pages_per_tile: int,
     pages_per_split: int,
+    sliding_window: int | None,
 ):
     req, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, block_size, head_dim = k_pages_ref.shape
     seq_len = seq_lens_ref[req]
-    first_page = split * pages_per_split
-    # Every tile visited holds at least one key below seq_len, so the running max is finite after it.
+    # The query sits at seq_len - 1; with a window it sees keys from seq_len - window on, so the
+    # splits partition the pages from the one holding that key, never those before it.
+    first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    first_page = first_key // block_size + split * pages_per_split
     num_tiles = pl.cdiv(jnp.clip(pl.cdiv(seq_len, block_size) - first_page, 0, pages_per_split), pages_per_tile)
     q = q_ref[...]
 
@@ -152,7 +163,8 @@ def _decode_kernel(
         k, v, kv_pos = load_kv_tile(
             k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, page0, seq_len, pages_per_tile
         )
-        return online_softmax_step(carry, q, k, v, (kv_pos < seq_len)[None, :], sm_scale)
+        visible = (kv_pos < seq_len) & (kv_pos >= first_key)
+        return online_softmax_step(carry, q, k, v, visible[None, :], sm_scale)
 
     m, l, acc = jax.lax.fori_loop(0, num_tiles, one_tile, init_softmax_carry(q.shape[0], head_dim))
     saw_keys = l > 0
@@ -180,7 +192,9 @@ def combine_splits(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "pages_per_tile", "num_splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "sm_scale", "pages_per_tile", "num_splits", "num_warps", "num_stages", "interpret", "sliding_window"
+    ),
 )
 def paged_decode_attention(
     q: Float[Array, "reqs q_heads dim"],
@@ -195,11 +209,14 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> Float[Array, "reqs q_heads dim"]:
     """Decode attention; equals `paged_decode_attention_reference`.
 
     pages_per_tile: pages per online-softmax step (default: 128 tokens' worth, at least 16 tokens).
     num_splits: KV partitions per request, combined in XLA (default: enough to fill the GPU).
+    sliding_window: each query sees only its last `sliding_window` keys; the splits then cover the
+    pages that window can touch, so the work per request stops growing with its length.
     """
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -212,14 +229,19 @@ def paged_decode_attention(
         )
     max_blocks = block_tables.shape[1]
     pages_per_tile = pick_pages_per_tile(pages_per_tile, block_size, default_tokens=128)
-    max_tiles = pl.cdiv(max_blocks, pages_per_tile)
+    check_window(sliding_window)
+    # Pages one query reads: all of the row's, or those its window touches (it may start mid-page).
+    visited_pages = max_blocks if sliding_window is None else min(max_blocks, (sliding_window - 1) // block_size + 2)
+    max_tiles = pl.cdiv(visited_pages, pages_per_tile)
     if num_splits is None:
         num_splits = default_num_splits(num_reqs, num_kv_heads, max_tiles)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; use 1 (no split-K) or more")
     pages_per_split = pl.cdiv(max_tiles, num_splits) * pages_per_tile
-    # Pad with the null block so every tile's block-table read stays inside the row.
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, num_splits * pages_per_split - max_blocks)))
+    # Pad with the null block so every tile's block-table read stays inside the row (a window's
+    # walk starts at any page of the row).
+    first_page_max = 0 if sliding_window is None else max_blocks - 1
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, first_page_max + num_splits * pages_per_split - max_blocks)))
 
     group = num_q_heads // num_kv_heads
     group_pad = padded_group(group)
@@ -229,7 +251,8 @@ def paged_decode_attention(
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _decode_kernel, sm_scale=sm_scale, pages_per_tile=pages_per_tile, pages_per_split=pages_per_split
+        _decode_kernel, sm_scale=sm_scale, pages_per_tile=pages_per_tile, pages_per_split=pages_per_split,
+        sliding_window=sliding_window,
     )
     o, lse = pl.pallas_call(
         kernel,

@@ -37,6 +37,7 @@ from kernels_pallas.paged_attention import (
     MIN_DOT,
     check_kernel_shapes,
     check_pool,
+    check_window,
     init_softmax_carry,
     load_kv_tile,
     online_softmax_step,
@@ -64,6 +65,7 @@ def _ragged_kernel(
     sm_scale: float,
     block_q: int,
     pages_per_tile: int,
+    sliding_window: int | None,
 ):
     del zeros_ref  # Only there to give o_ref its zeros.
     work, kv_head = pl.program_id(0), pl.program_id(1)
@@ -81,15 +83,19 @@ def _ragged_kernel(
     tile_start = q_start + tile * block_q
 
     row_pos = first_pos + jnp.arange(rows, dtype=jnp.int32) // group  # position of each score row's token
-    # Keys up to the tile's last real token; kv tile 0 holds position 0, a key every row may see.
-    num_kv_tiles = jnp.where(num_rows > 0, pl.cdiv(first_pos + num_rows, block_kv), 0)
+    # Keys from the first the tile's first row may see (its window's start) up to its last real token.
+    first_page = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0) // block_size
+    num_kv_tiles = jnp.where(num_rows > 0, pl.cdiv(first_pos + num_rows - first_page * block_size, block_kv), 0)
     q = q_ref[pl.ds(tile_start, block_q), kv_head].reshape(rows, head_dim)
 
     def one_tile(t, carry):
         k, v, kv_pos = load_kv_tile(
-            k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, t * pages_per_tile, seq_len, pages_per_tile
+            k_pages_ref, v_pages_ref, block_tables_ref, req, kv_head, first_page + t * pages_per_tile, seq_len,
+            pages_per_tile,
         )
         visible = (kv_pos[None, :] < seq_len) & (kv_pos[None, :] <= row_pos[:, None])
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > row_pos[:, None] - sliding_window
         return online_softmax_step(carry, q, k, v, visible, sm_scale)
 
     _, l, acc = jax.lax.fori_loop(0, num_kv_tiles, one_tile, init_softmax_carry(rows, head_dim))
@@ -104,7 +110,7 @@ def _ragged_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_q", "pages_per_tile", "num_warps", "num_stages", "interpret"),
+    static_argnames=("sm_scale", "block_q", "pages_per_tile", "num_warps", "num_stages", "interpret", "sliding_window"),
 )
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads dim"],
@@ -118,11 +124,14 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch over the paged pool; equals `ragged_paged_attention_reference`.
 
     block_q: new tokens per program (default: TARGET_ROWS score rows).
     pages_per_tile: pages per online-softmax step (default: 64 tokens' worth, at least 16).
+    sliding_window: each token sees only its last `sliding_window` keys; a query tile's walk starts
+    at the page holding its first row's first key, so it is bounded by block_q + the window.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -144,8 +153,11 @@ def ragged_paged_attention(
             f"use a power of two giving at least {MIN_DOT} rows"
         )
     pages_per_tile = pick_pages_per_tile(pages_per_tile, block_size, default_tokens=64)
-    # Null-block padding so the last kv tile's block-table read stays inside the row.
-    block_tables = jnp.pad(metadata.block_tables, ((0, 0), (0, -max_blocks % pages_per_tile)))
+    check_window(sliding_window)
+    # Null-block padding so the last kv tile's block-table read stays inside the row (a window's
+    # walk starts at any page, not on a tile boundary).
+    pad = -max_blocks % pages_per_tile if sliding_window is None else pages_per_tile
+    block_tables = jnp.pad(metadata.block_tables, ((0, 0), (0, pad)))
     tile_req, tile_idx = query_tiles(metadata.query_start_loc, num_tokens, block_q)
 
     q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -153,7 +165,9 @@ def ragged_paged_attention(
     zeros = jnp.zeros_like(q_grouped)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_tile=pages_per_tile)
+    kernel = functools.partial(
+        _ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_tile=pages_per_tile, sliding_window=sliding_window
+    )
     out = pl.pallas_call(
         kernel,
         grid=(tile_req.shape[0], num_kv_heads),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU host (the device tool's machine): the compiled Pallas kernels against the
-# reference (pytest -m gpu), the kernel benchmark, the engine decode step at Llama-3-8B shapes,
+# reference (pytest -m gpu), the kernel benchmark, sliding-window and expert-matmul benchmarks, the
+# engine decode step at Llama-3-8B shapes,
 # whole-engine throughput on a random-weight Llama-3.2-1B-shaped model (Pallas vs XLA attention),
 # a tensor-parallel run where there are several GPUs, then as much of the full suite as time leaves.
 # Writes logs and JSON under ${OUT:-gpu_results}/ and prints a short table of each.
@@ -31,8 +32,10 @@ python3 -c "import schemathesis" 2>/dev/null || skip=(--ignore=tests/entrypoints
 deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-400} ))
 left() { local l=$(( deadline - $(date +%s) )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 phase() { echo; echo "== $1 ($(date +%T), $(( deadline - $(date +%s) )) s left)"; }
-# GPU_CHECK_PHASES picks phases (default all): machine gpu-tests kernels engine-step throughput tp suite
-want() { [[ " ${GPU_CHECK_PHASES:-machine gpu-tests kernels engine-step throughput tp suite} " == *" $1 "* ]]; }
+# GPU_CHECK_PHASES picks phases (default all):
+#   machine gpu-tests kernels sliding-window moe engine-step throughput tp suite
+all_phases="machine gpu-tests kernels sliding-window moe engine-step throughput tp suite"
+want() { [[ " ${GPU_CHECK_PHASES:-$all_phases} " == *" $1 "* ]]; }
 
 if want machine; then
 phase "machine"
@@ -48,6 +51,17 @@ fi
 if want kernels; then
 phase "kernels: bandwidth vs a device copy and vs jax.experimental.pallas.ops.gpu.paged_attention"
 timeout $(left 75) python3 -m benchmarks.kernels --no-tests --max-seconds 50 --out "$out/kernels.json" 2>&1 | tail -30
+
+fi
+if want sliding-window; then
+phase "sliding-window attention: windowed vs full layer time as the context grows (Llama-3-8B heads, bf16)"
+timeout $(left 150) python3 -m benchmarks.sliding_window --repeats 5 --inner 3 --out "$out/sliding_window.json" 2>&1 | tail -30
+
+fi
+if want moe; then
+phase "mixture-of-experts: grouped (ragged_dot) vs dense-masked expert matmuls, bf16 weights"
+timeout $(left 150) python3 -m benchmarks.moe_matmul --configs small-qwen3-moe qwen3-30b-a3b mixtral-8x7b \
+  --dtype bfloat16 --calls 5 --rounds 2 --result-json "$out/moe_matmul.json" 2>&1 | tail -30
 
 fi
 if want engine-step; then

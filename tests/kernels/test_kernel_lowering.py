@@ -48,12 +48,15 @@ DECODE_SHAPES = {
     "smollm2": (9, 3, 64, 16, jnp.bfloat16, 16, 128, {"num_splits": 1}),
     "mha-f32-bs8": (4, 4, 16, 8, jnp.float32, 8, 9, {"num_splits": 3}),
     "f16-bs32": (16, 2, 32, 32, jnp.float16, 4, 7, {"pages_per_tile": 1}),
+    "mistral-window4096": (32, 8, 128, 16, jnp.bfloat16, 64, 2048, {"sliding_window": 4096}),
+    "window1-bs8": (4, 4, 16, 8, jnp.float32, 8, 9, {"sliding_window": 1, "num_splits": 2}),
 }
 RAGGED_SHAPES = {
     "llama3-8b": (32, 8, 128, 16, jnp.bfloat16, 512, 32, 512, {}),
     "smollm2": (9, 3, 64, 16, jnp.bfloat16, 256, 16, 128, {}),
     "mha-f32-bs8": (4, 4, 16, 8, jnp.float32, 64, 8, 9, {"block_q": 16}),
     "f16-bs32": (16, 2, 32, 32, jnp.float16, 128, 4, 7, {"block_q": 2, "pages_per_tile": 1}),
+    "gemma3-1b-window512": (4, 1, 256, 16, jnp.bfloat16, 512, 32, 2048, {"sliding_window": 512}),
 }
 
 

@@ -258,7 +258,49 @@ def test_interpreted_backend_equals_xla_backend(decode_only: bool):
     assert_matches(*outs, case.tolerance)
 
 
-def test_windowed_attention_runs_on_the_xla_backend_and_is_refused_by_the_kernels_without_it():
+WINDOWS = [1, 8, 11, MAX_BLOCKS * 8 + 5]  # one key, one block, across a block boundary, longer than any sequence
+
+
+@pytest.mark.parametrize(
+    "interpret", [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+)
+class TestWindowedKernelsEqualReference:
+    """Block size 8 and 16-token tiles: windows start mid-page, mid-tile and on a page boundary."""
+
+    @pytest.mark.parametrize("window", WINDOWS)
+    def test_decode_kernel_with_a_window_equals_reference(self, window: int, interpret: bool):
+        rng = np.random.default_rng(window)
+        case = Case(8, 16, 2, "float32")
+        seq_lens = [*decode_lengths(8), 8 * 3 + 3, 16]
+        k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+        q = random_q(rng, case, len(seq_lens))
+        seq_lens = jnp.asarray(seq_lens, jnp.int32)
+        args = (q, k_pages, v_pages, seq_lens, block_tables, SM_SCALE)
+        out = paged_decode_attention(*args, interpret=interpret, pages_per_tile=2, num_splits=2, sliding_window=window)
+        ref = paged_decode_attention_reference(*args, sliding_window=window)
+        assert_matches(out, ref, case.tolerance)
+        full = paged_decode_attention_reference(*args)
+        binds = window < MAX_BLOCKS * 8
+        assert binds == (not np.allclose(np.asarray(ref[-3]), np.asarray(full[-3]))), "the window must bind iff shorter"
+
+    @pytest.mark.parametrize("window", WINDOWS)
+    def test_ragged_kernel_with_a_window_equals_reference(self, window: int, interpret: bool):
+        rng = np.random.default_rng(window)
+        case = Case(8, 16, 2, "float32")
+        q_lens, seq_lens, num_tokens = mixed_batch(8)
+        k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+        q = random_q(rng, case, num_tokens)
+        metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
+        args = (q, k_pages, v_pages, metadata, SM_SCALE)
+        out = ragged_paged_attention(
+            *args, interpret=interpret, block_q=8, pages_per_tile=2, sliding_window=window
+        )
+        ref = ragged_paged_attention_reference(*args, block_q=4, sliding_window=window)
+        assert_matches(out, ref, case.tolerance)
+        assert not np.asarray(out[sum(q_lens) :]).any(), "padding tokens must give 0"
+
+
+def test_windowed_attention_dispatches_to_every_backend_with_the_window():
     rng = np.random.default_rng(5)
     case = Case(8, 32, 2, "float32")
     q_lens, seq_lens, num_tokens = mixed_batch(8)
@@ -266,9 +308,10 @@ def test_windowed_attention_runs_on_the_xla_backend_and_is_refused_by_the_kernel
     q = random_q(rng, case, num_tokens)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
     windowed = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, block_q=4, sliding_window=8)
-    out = attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan("xla"), sliding_window=8)
-    assert_matches(out, windowed, case.tolerance)
-    full = attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan("xla"))
-    assert not np.allclose(np.asarray(out), np.asarray(full))  # the window binds in this batch
-    with pytest.raises(ValueError, match="only the 'xla' backend"):  # the C++ kernel's window: test_cpu_kernel.py
-        attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan("pallas_interpret"), sliding_window=8)
+    full = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, block_q=4)
+    assert not np.allclose(np.asarray(windowed), np.asarray(full))  # the window binds in this batch
+    cpu_kernel = ("cpp",) if jax.devices()[0].platform == "cpu" else ()  # an XLA:CPU custom call
+    for backend in ("xla", "pallas_interpret", *cpu_kernel):
+        out = attention(q, k_pages, v_pages, metadata, SM_SCALE, AttentionPlan(backend), sliding_window=8)
+        assert_matches(out, windowed, case.tolerance)
+

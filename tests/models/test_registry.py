@@ -18,6 +18,7 @@ from cbjax.models.registry import ARCHITECTURES, kv_cache_bytes_per_block, kv_ca
 from cbjax.plan.accelerators import ACCELERATORS
 from cbjax.plan.capacity import load_model_config, plan_capacity
 from engine_helpers import hf_greedy
+from test_prefix_caching_engine import drain
 from helpers_hf import ARCHITECTURES as HF_ARCHITECTURES, load_hf_model, make_tiny_hf_model
 from tiny_checkpoint import TINY_VOCAB, make_tiny_checkpoint
 
@@ -92,26 +93,32 @@ def test_plan_counts_olmo2_weights_with_its_whole_projection_norms(tmp_path, tp)
 
 
 def test_mistral_with_a_window_shorter_than_the_prompt_serves_greedy_like_transformers(tmp_path):
-    """Window 6 against prompts of 21, 9 and 1 tokens, prefilled in chunks of 16 beside decodes; on the
-    jnp reference, the one backend with the window so far. Full attention gives other tokens."""
-    hf_dir, ckpt = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=6)
-    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, block_size=8, dtype="float32")
-    assert llm.llm_engine.backend == "xla"
-    prompts = [[3 + (5 * i + 11 * n) % 290 for i in range(n)] for n in (21, 9, 1)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    want = [hf_greedy(hf_dir, p, 8) for p in prompts]
-    assert [o.outputs[0].token_ids for o in outs] == want
+    """Window 11 (across block boundaries) against prompts of 37, 21, 9 and 30 tokens, in chunks of 16
+    beside decodes, in a pool small enough to preempt, with prefix caching on (the fourth prompt starts
+    with the first's 24 tokens) and NaN in every free block after each step. Full attention gives other tokens."""
+    hf_dir, ckpt = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=11)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (37, 21, 9)]
+    prompts.append(prompts[0][:24] + rng.integers(3, 300, size=6).tolist())
+    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16, block_size=8, num_kv_blocks=14,
+              dtype="float32", enable_prefix_caching=True)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(prompts[:3])], 3: [("r3", prompts[3], greedy)]}
+    finished = drain(engine, arrivals, {})
+    want = [hf_greedy(hf_dir, p, 6) for p in prompts]
+    assert [finished[f"r{i}"].outputs[0].token_ids for i in range(4)] == want
+    assert finished["r3"].num_cached_tokens > 0
+    assert engine.get_stats()["num_preemptions"] > 0
     full = make_tiny_hf_model(tmp_path, "mistral", name="full", vocab_size=TINY_VOCAB, max_position_embeddings=512)
-    assert [hf_greedy(full, p, 8) for p in prompts] != want  # the same weights without the window
+    assert [hf_greedy(full, p, 6) for p in prompts] != want  # the same weights without the window
 
 
-@pytest.mark.parametrize("backend", ["cpp", "pallas", "pallas_interpret"])
-def test_a_windowed_model_refuses_a_backend_without_the_window(backend):
+def test_a_windowed_model_on_cpu_runs_the_jnp_reference_and_refuses_the_cpp_kernel():
     from cbjax.models.layers.attention import resolve_backend
 
-    with pytest.raises(ValueError, match=f"attention_backend='{backend}' has no sliding-window attention yet.*'auto' or 'xla'"):
-        resolve_backend(backend, sliding_window=True)
+    with pytest.raises(ValueError, match="attention_backend='cpp' has no sliding-window attention yet.*'auto' or 'xla'"):
+        resolve_backend("cpp", sliding_window=True)
     assert resolve_backend("auto", sliding_window=True) == "xla"
 
 

@@ -112,20 +112,21 @@ def resolve_backend(
     The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU. With
     wait_for_kernel=False, a C++ kernel still being built (kernels_cpu.register_in_background)
     counts as usable; whoever compiles a step first checks the build (cpu_kernel_fallback).
-    A model with sliding-window layers runs the jnp reference ("xla"), the only backend with the
-    window so far.
+    On a CPU a model with sliding-window layers runs the jnp reference ("xla"): the C++ kernel has
+    no window yet.
     """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
-    if sliding_window:
-        if requested not in ("auto", "xla"):
-            raise ValueError(f"attention_backend={requested!r} has no sliding-window attention yet, and this model's "
-                             "layers have a window; use attention_backend='auto' or 'xla' (the jnp reference)")
-        logger.info("attention backend: xla (requested %s): the model has sliding-window layers, which only the jnp "
-                    "reference runs so far", requested)
-        return "xla"
     chosen = "xla" if requested == "auto" else requested
     platform = jax.devices()[0].platform
+    if sliding_window and platform == "cpu":
+        if requested == "cpp":
+            raise ValueError("attention_backend='cpp' has no sliding-window attention yet, and this model's layers "
+                             "have a window; use attention_backend='auto' or 'xla' (the jnp reference)")
+        if requested == "auto":
+            logger.info("attention backend: xla (requested auto): the model has sliding-window layers, which the C++ "
+                        "kernel does not run yet")
+            return "xla"
     if requested == "cpp" and platform != "cpu":
         raise ValueError(f"attention_backend='cpp' is the CPU kernel, but JAX runs on {platform}; use 'auto'")
     if requested in ("auto", "cpp") and platform == "cpu":
@@ -184,11 +185,6 @@ def attention(
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
-    if sliding_window is not None and backend not in ("xla", "cpp"):
-        raise ValueError(
-            f"sliding_window={sliding_window} with attention backend {backend!r}: only the 'xla' backend (the jnp "
-            f"reference) and the 'cpp' CPU kernel have sliding-window attention so far; serve with one of them"
-        )
     if backend == "cpp":
         return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale, sliding_window)
     if backend == "xla":
@@ -210,9 +206,12 @@ def attention(
     interpret = backend == "pallas_interpret"
     if decode_only:
         return paged_decode_attention(
-            q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, interpret=interpret
+            q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, interpret=interpret,
+            sliding_window=sliding_window,
         )
-    return ragged_paged_attention(q, k_pages, v_pages, metadata, sm_scale, interpret=interpret)
+    return ragged_paged_attention(
+        q, k_pages, v_pages, metadata, sm_scale, interpret=interpret, sliding_window=sliding_window
+    )
 
 
 def write_kv_and_attend(
