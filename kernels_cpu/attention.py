@@ -26,6 +26,16 @@ def _request_metadata(metadata: AttentionMetadata) -> tuple[Array, Array, Array]
     return tuple(x.astype(jnp.int32) for x in (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables))
 
 
+def _window_attribute(sliding_window: int | None) -> np.int32:
+    """The kernel's `sliding_window` attribute: the window in tokens, 0 for none."""
+    if sliding_window is None:
+        return np.int32(0)
+    if not 1 <= sliding_window <= np.iinfo(np.int32).max:
+        raise ValueError(f"sliding_window={sliding_window}: a window covers at least the query's own token (>= 1) "
+                         "and fits int32; pass None for full attention")
+    return np.int32(sliding_window)
+
+
 def write_kv_and_attend_cpu(
     q: Float[Array, "tokens q_heads dim"],
     k: Float[Array, "tokens kv_heads dim"],
@@ -34,11 +44,13 @@ def write_kv_and_attend_cpu(
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     metadata: AttentionMetadata,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[Float[Array, "tokens q_heads dim"], Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]]:
     """`write_kv` then `ragged_paged_attention_reference`, in one C++ call (CPU only).
 
     The pools go in and come out aliased, so under a donating jit the write is in place. Decode
     steps are the case of one token per request; there is no separate decode entry.
+    `sliding_window` is the reference's (a query at position p sees keys p - W + 1..p).
     """
     suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(
@@ -55,6 +67,7 @@ def write_kv_and_attend_cpu(
         v_pages,
         *_request_metadata(metadata),
         sm_scale=np.float32(sm_scale),
+        sliding_window=_window_attribute(sliding_window),
     )
     return out.astype(q.dtype), k_pages, v_pages
 
@@ -65,9 +78,14 @@ def ragged_paged_attention_cpu(
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     metadata: AttentionMetadata,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """`ragged_paged_attention_reference`'s result from the C++ kernel; the pools are only read."""
+    """`ragged_paged_attention_reference`'s result (`sliding_window` included) from the C++ kernel; the pools are
+    only read."""
     suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(target("CbjaxPagedAttention" + suffix), jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale))
+    out = call(
+        q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale),
+        sliding_window=_window_attribute(sliding_window),
+    )
     return out.astype(q.dtype)

@@ -10,8 +10,11 @@
 //   block_tables s32 [reqs, max_blocks]
 //   out          f32 [tokens, q_heads, dim]; rows of padding tokens are 0.
 // Token i of request r sits at position seq_lens[r] - q_len + i and attends causally to the
-// positions 0..its own. Unlike the fixed-shape jnp path this loop visits only real tokens and
-// real keys, so padding rows and unused pages (NaN in the tests) are never read.
+// positions 0..its own. With a sliding window W (the `sliding_window` attribute, 0: none) it sees
+// only the positions p - W + 1..p (transformers' semantics), and keys before every row's window
+// are never loaded, so a windowed layer's work stops growing with the context. Unlike the
+// fixed-shape jnp path this loop visits only real tokens and real keys, so padding rows and unused
+// pages (NaN in the tests) are never read.
 //
 // The same call first writes the step's new K/V into the pool (in place: the pools are aliased
 // from input to output), which saves XLA two scatters per layer.
@@ -25,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__F16C__)
@@ -179,6 +183,7 @@ inline float exp_nonpos(float x) {
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t u16v __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 constexpr int kWideRows = 8;
 
@@ -201,14 +206,15 @@ static_assert(kChunk % kKeyBlock == 0, "a padded chunk must fit the key scratch"
 constexpr int kDimBlock = 8;
 
 // One chunk of keys for a wide item. qt: [dim][padded] scaled queries; st: [kChunk][padded]
-// scores; limit: [padded] first key position each row may NOT see (padding rows: 0). nk is a
-// multiple of kKeyBlock; keys past the real ones are zero rows beyond every row's limit.
+// scores; limit: [padded] first key position each row may NOT see (padding rows: 0); start:
+// [padded] first key position each row may see (its window's). nk is a multiple of kKeyBlock;
+// keys past the real ones are zero rows beyond every row's limit.
 inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt, const float* kc, const float* vc,
-                       const float* limit, float* st, float* m, float* l, float* acc_t) {
+                       const float* limit, const float* start, float* st, float* m, float* l, float* acc_t) {
   // Scores, kKeyBlock keys at a time: independent accumulators hide the FMA latency, and each
   // query vector loaded serves all of them.
   for (int r0 = 0; r0 < padded; r0 += kLanes) {
-    const v16 lim = *(const v16*)(limit + r0);
+    const v16 lim = *(const v16*)(limit + r0), first = *(const v16*)(start + r0);
     for (int j0 = 0; j0 < nk; j0 += kKeyBlock) {
       v16 sum[kKeyBlock];
       for (int b = 0; b < kKeyBlock; ++b) sum[b] = splat(0.0f);
@@ -217,8 +223,10 @@ inline void wide_chunk(int padded, int dim, int nk, int64_t c0, const float* qt,
         const v16 qd = *(const v16*)(qt + d * padded + r0);
         for (int b = 0; b < kKeyBlock; ++b) sum[b] += qd * kb[b * dim + d];
       }
-      for (int b = 0; b < kKeyBlock; ++b)
-        *(v16*)(st + (j0 + b) * padded + r0) = splat((float)(c0 + j0 + b)) < lim ? sum[b] : splat(-INFINITY);
+      for (int b = 0; b < kKeyBlock; ++b) {
+        const v16 pos = splat((float)(c0 + j0 + b));
+        *(v16*)(st + (j0 + b) * padded + r0) = (pos < lim) & (pos >= first) ? sum[b] : splat(-INFINITY);
+      }
     }
   }
   for (int r0 = 0; r0 < padded; r0 += kLanes) {
@@ -301,22 +309,33 @@ inline float sum_of_lanes(v16 x) {
   return sum;
 }
 
+// The chunk's keys row r sees, [j_lo, j_hi): from its window's start to its own position.
+struct KeyRange {
+  int j_lo, j_hi;
+};
+
+inline KeyRange visible_keys(int r, int nk, int64_t c0, const float* limit, const float* start) {
+  const int j_hi = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
+  return {(int)std::clamp<int64_t>((int64_t)start[r] - c0, 0, j_hi), j_hi};
+}
+
 // One chunk of keys for a narrow item, NV = dim / 16. qs, acc: [rows][dim]; sc: [rows][kChunk];
 // kc, vc hold kChunk rows of which the first nk are this chunk's keys (the rest stale but finite).
 template <int NV>
 void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float* kc, const float* vc,
-                      const float* limit, float* sc, float* m, float* l, float* acc) {
+                      const float* limit, const float* start, float* sc, float* m, float* l, float* acc) {
   constexpr int dim = NV * kLanes;
-  const v16 lane = v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u16v lane = u16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int r = 0; r < rows; ++r) {
-    // Keys past this row's own position are causal-masked: it sees nk_r of the chunk's keys.
-    const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
-    if (nk_r == 0) continue;
+    const auto [j_lo, nk_r] = visible_keys(r, nk, c0, limit, start);
+    if (j_lo == nk_r) continue;
+    // Whole vectors of 16 keys from the one holding j_lo; the keys before j_lo score -inf.
+    const int j_first = j_lo / kLanes * kLanes;
     v16 q[NV];
     for (int i = 0; i < NV; ++i) q[i] = *(const v16*)(qs + r * dim + i * kLanes);
     float* sr = sc + r * kChunk;
     v16 vmax = splat(-INFINITY);
-    for (int j0 = 0; j0 < nk_r; j0 += kLanes) {
+    for (int j0 = j_first; j0 < nk_r; j0 += kLanes) {
       v16 part[kLanes];
       for (int b = 0; b < kLanes; ++b) {
         const float* kj = kc + (j0 + b) * dim;
@@ -324,14 +343,16 @@ void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float
         for (int i = 1; i < NV; ++i) dot += q[i] * *(const v16*)(kj + i * kLanes);
         part[b] = dot;
       }
-      const v16 scores = splat((float)j0) + lane < splat((float)nk_r) ? sum_lanes_of_16(part) : splat(-INFINITY);
+      // j_lo <= j < nk_r in one unsigned compare: keys before j_lo wrap around to huge offsets.
+      const u16v offset = lane + (uint32_t)(j0 - j_lo);
+      const v16 scores = offset < (uint32_t)(nk_r - j_lo) ? sum_lanes_of_16(part) : splat(-INFINITY);
       *(v16*)(sr + j0) = scores;
       vmax = scores > vmax ? scores : vmax;
     }
     const float m_new = std::max(m[r], max_of_lanes(vmax));
     const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
     v16 vsum = splat(0.0f);
-    for (int j0 = 0; j0 < nk_r; j0 += kLanes) {
+    for (int j0 = j_first; j0 < nk_r; j0 += kLanes) {
       v16* s = (v16*)(sr + j0);
       const v16 p = *s == splat(-INFINITY) ? splat(0.0f) : exp_nonpos(*s - splat(m_new));
       *s = p;
@@ -341,7 +362,7 @@ void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float
     m[r] = m_new;
     v16 a[NV];
     for (int i = 0; i < NV; ++i) a[i] = *(const v16*)(acc + r * dim + i * kLanes) * alpha;
-    for (int j = 0; j < nk_r; ++j) {
+    for (int j = j_lo; j < nk_r; ++j) {
       const float p = sr[j];
       const float* vj = vc + j * dim;
       for (int i = 0; i < NV; ++i) a[i] += p * *(const v16*)(vj + i * kLanes);
@@ -352,14 +373,15 @@ void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float
 
 // The same for any dim, one row and one key at a time.
 inline void narrow_chunk_scalar(int rows, int dim, int nk, int64_t c0, const float* qs, const float* kc,
-                                const float* vc, const float* limit, float* sc, float* m, float* l, float* acc) {
+                                const float* vc, const float* limit, const float* start, float* sc, float* m, float* l,
+                                float* acc) {
   for (int r = 0; r < rows; ++r) {
-    const int nk_r = (int)std::clamp<int64_t>((int64_t)limit[r] - c0, 0, nk);
-    if (nk_r == 0) continue;
+    const auto [j_lo, nk_r] = visible_keys(r, nk, c0, limit, start);
+    if (j_lo == nk_r) continue;
     const float* qr = qs + r * dim;
     float* sr = sc + r * kChunk;
     float chunk_max = -INFINITY;
-    for (int j = 0; j < nk_r; ++j) {
+    for (int j = j_lo; j < nk_r; ++j) {
       const float* kj = kc + j * dim;
       float dot = 0.0f;
       for (int d = 0; d < dim; ++d) dot += qr[d] * kj[d];
@@ -369,7 +391,7 @@ inline void narrow_chunk_scalar(int rows, int dim, int nk, int64_t c0, const flo
     const float m_new = std::max(m[r], chunk_max);
     const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
     float sum = 0.0f;
-    for (int j = 0; j < nk_r; ++j) {
+    for (int j = j_lo; j < nk_r; ++j) {
       sr[j] = exp_nonpos(sr[j] - m_new);
       sum += sr[j];
     }
@@ -377,7 +399,7 @@ inline void narrow_chunk_scalar(int rows, int dim, int nk, int64_t c0, const flo
     m[r] = m_new;
     float* ar = acc + r * dim;
     for (int d = 0; d < dim; ++d) ar[d] *= alpha;
-    for (int j = 0; j < nk_r; ++j) {
+    for (int j = j_lo; j < nk_r; ++j) {
       const float p = sr[j];
       const float* vj = vc + j * dim;
       for (int d = 0; d < dim; ++d) ar[d] += p * vj[d];
@@ -393,22 +415,24 @@ struct Item {
   int32_t req, kv_head, first_token, num_tokens;
 };
 
-// One work item's buffers: queries, accumulators, running max and sum, causal limits, the
-// current chunk's keys, values and scores.
+// One work item's buffers: queries, accumulators, running max and sum, causal limits, window
+// starts, the current chunk's keys, values and scores.
 struct Scratch {
-  std::vector<float> qs, acc, m, l, limit, kc, vc, sc;
+  std::vector<float> qs, acc, m, l, limit, start, kc, vc, sc;
 };
 
 template <typename Tag>
 void run_item(const Item& item, const Shapes& s, const float* q, const typename Pool<Tag>::T* k_pages,
               const typename Pool<Tag>::T* v_pages, const int32_t* query_start, const int32_t* seq_lens,
-              const int32_t* block_tables, float sm_scale, float* out) {
+              const int32_t* block_tables, float sm_scale, int32_t window, float* out) {
   const int group = (int)(s.q_heads / s.kv_heads), dim = (int)s.dim, bs = (int)s.block_size;
   const int rows = item.num_tokens * group;  // row = token * group + head within the group
   const int32_t q_len = query_start[item.req + 1] - query_start[item.req];
   const int64_t first_pos = (int64_t)seq_lens[item.req] - q_len + (item.first_token - query_start[item.req]);
   if (first_pos < 0) return;  // inconsistent metadata: leave the rows at 0
   const int64_t kv_end = first_pos + item.num_tokens;  // the last row attends to kv_end - 1
+  // The first row's window starts earliest: no row sees a key before kv_begin.
+  const int64_t kv_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int32_t* table = block_tables + (int64_t)item.req * s.max_blocks;
   const int64_t page_stride = s.block_size * s.dim, head_stride = s.blocks * page_stride;
 
@@ -419,12 +443,13 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
   // allocating and zeroing the key/value chunks for each was work for nothing (they are
   // written before they are read).
   thread_local Scratch scratch;
-  auto& [qs, acc, m, l, limit, kc, vc, sc] = scratch;
+  auto& [qs, acc, m, l, limit, start, kc, vc, sc] = scratch;
   qs.assign(padded * dim, 0.0f);
   acc.assign(padded * dim, 0.0f);
   m.assign(padded, -INFINITY);
   l.assign(padded, 0.0f);
   limit.assign(padded, 0.0f);
+  start.assign(padded, 0.0f);
   for (auto* chunk : {&kc, &vc}) chunk->resize(std::max<size_t>(chunk->size(), kChunk * dim));
   sc.resize(std::max<size_t>(sc.size(), (size_t)padded * kChunk));
   for (int t = 0; t < item.num_tokens; ++t)
@@ -433,9 +458,10 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       const float* src = q + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
       for (int d = 0; d < dim; ++d) qs[wide ? d * padded + r : r * dim + d] = src[d] * sm_scale;
       limit[r] = (float)(first_pos + t + 1);  // keys at positions >= limit are causal-masked
+      if (window > 0) start[r] = (float)std::max<int64_t>(0, first_pos + t + 1 - window);  // and those < start
     }
 
-  for (int64_t c0 = 0; c0 < kv_end; c0 += kChunk) {
+  for (int64_t c0 = kv_begin; c0 < kv_end; c0 += kChunk) {
     const int nk = (int)std::min<int64_t>(kChunk, kv_end - c0);
     for (int j = 0; j < nk; ++j) {
       const int64_t pos = c0 + j, page_index = pos / bs;
@@ -449,19 +475,19 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       const int nk_padded = (nk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // <= kChunk
       std::fill(kc.begin() + nk * dim, kc.begin() + nk_padded * dim, 0.0f);
       std::fill(vc.begin() + nk * dim, vc.begin() + nk_padded * dim, 0.0f);
-      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(),
-                 l.data(), acc.data());
+      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
+                 m.data(), l.data(), acc.data());
       continue;
     }
     if (dim == 64) {
-      narrow_chunk_vec<4>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
-                          acc.data());
+      narrow_chunk_vec<4>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
+                          m.data(), l.data(), acc.data());
     } else if (dim == 128) {
-      narrow_chunk_vec<8>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(), l.data(),
-                          acc.data());
+      narrow_chunk_vec<8>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
+                          m.data(), l.data(), acc.data());
     } else {
-      narrow_chunk_scalar(rows, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), sc.data(), m.data(),
-                          l.data(), acc.data());
+      narrow_chunk_scalar(rows, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(),
+                          sc.data(), m.data(), l.data(), acc.data());
     }
   }
   for (int t = 0; t < item.num_tokens; ++t)
@@ -496,7 +522,7 @@ void write_new_kv(const Shapes& s, const float* k_new, const float* v_new, const
 template <typename Tag>
 void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typename Pool<Tag>::T* kp,
             const typename Pool<Tag>::T* vp, const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables,
-            float sm_scale, float* out) {
+            float sm_scale, int32_t window, float* out) {
   std::fill(out, out + s.tokens * s.q_heads * s.dim, 0.0f);
   std::vector<Item> items;
   for (int32_t r = 0; r < s.reqs; ++r) {
@@ -507,14 +533,18 @@ void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typena
   }
   const int64_t n = (int64_t)items.size();
   cbjax_kernels::share_out(pool, n, [=, items = std::move(items)](int64_t i) {
-    run_item<Tag>(items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, out);
+    run_item<Tag>(items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, window, out);
   });
 }
 
-ffi::Error check_shapes(const Shapes& s, int64_t pool_dims, int64_t pool_dim, int64_t query_starts) {
+ffi::Error check_shapes(const Shapes& s, int64_t pool_dims, int64_t pool_dim, int64_t query_starts,
+                        int32_t window) {
   if (pool_dims != 4 || pool_dim != s.dim || s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 ||
       query_starts != s.reqs + 1)
     return ffi::Error::InvalidArgument("cbjax attention: the shapes of q, the pools, query_start and seq_lens disagree");
+  if (window < 0)
+    return ffi::Error::InvalidArgument("cbjax attention: sliding_window must be >= 0 (0: no window), got " +
+                                       std::to_string(window));
   return ffi::Error::Success();
 }
 
@@ -522,16 +552,18 @@ ffi::Error check_shapes(const Shapes& s, int64_t pool_dims, int64_t pool_dim, in
 template <typename Tag>
 ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+                          ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                          int32_t window) {
   using T = typename Pool<Tag>::T;
   auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("cbjax attention: q must be 3-d, the pools 4-d, block_tables 2-d");
   Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
-  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0]); error.failure()) return error;
+  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0], window); error.failure())
+    return error;
   attend<Tag>(pool, s, q.typed_data(), reinterpret_cast<const T*>(k_pages.untyped_data()),
               reinterpret_cast<const T*>(v_pages.untyped_data()), query_start.typed_data(), seq_lens.typed_data(),
-              block_tables.typed_data(), sm_scale, out->typed_data());
+              block_tables.typed_data(), sm_scale, window, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -542,13 +574,14 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::AnyBuffer k_pages_in, ffi::AnyBuffer v_pages_in, ffi::Buffer<ffi::S32> query_start,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_pages,
-                                ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale) {
+                                ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale, int32_t window) {
   using T = typename Pool<Tag>::T;
   auto qd = q.dimensions(), kd = k_pages->dimensions(), nd = k_new.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || nd.size() != 3 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("cbjax attention: q and new K/V must be 3-d, the pools 4-d, block_tables 2-d");
   Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], seq_lens.dimensions()[0], block_tables.dimensions()[1]};
-  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0]); error.failure()) return error;
+  if (auto error = check_shapes(s, kd.size(), kd[3], query_start.dimensions()[0], window); error.failure())
+    return error;
   if (nd[1] != s.kv_heads || nd[2] != s.dim || slot_mapping.dimensions()[0] != nd[0] ||
       v_new.dimensions()[0] != nd[0] || k_pages_in.element_count() != k_pages->element_count())
     return ffi::Error::InvalidArgument("cbjax attention: the shapes of the new K/V, their slots and the pools disagree");
@@ -559,7 +592,7 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (vp != v_pages_in.untyped_data()) std::memcpy(vp, v_pages_in.untyped_data(), v_pages_in.size_bytes());
   write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], kp, vp);
   attend<Tag>(pool, s, q.typed_data(), kp, vp, query_start.typed_data(), seq_lens.typed_data(),
-              block_tables.typed_data(), sm_scale, out->typed_data());
+              block_tables.typed_data(), sm_scale, window, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -575,7 +608,9 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
       .Ret<ffi::Buffer<ffi::F32>>()
 
 #define CBJAX_ATTENTION_BIND \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() CBJAX_POOLS_METADATA_OUT.Attr<float>("sm_scale")
+  ffi::Ffi::Bind()           \
+      .Ctx<ffi::ThreadPool>()  \
+      .Arg<ffi::Buffer<ffi::F32>>() CBJAX_POOLS_METADATA_OUT.Attr<float>("sm_scale").Attr<int32_t>("sliding_window")
 
 // q, k_new, v_new, slots, then the common part, then the pools out (aliased to the pools in).
 #define CBJAX_WRITE_ATTENTION_BIND                                                          \
@@ -587,7 +622,8 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
       .Arg<ffi::Buffer<ffi::S32>>() CBJAX_POOLS_METADATA_OUT                                \
       .Ret<ffi::AnyBuffer>()                                                                \
       .Ret<ffi::AnyBuffer>()                                                                \
-      .Attr<float>("sm_scale")
+      .Attr<float>("sm_scale")                                                              \
+      .Attr<int32_t>("sliding_window")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_ATTENTION_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF16, attention_impl<F16Tag>, CBJAX_ATTENTION_BIND);

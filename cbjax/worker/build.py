@@ -74,7 +74,6 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         head_dim=mc.head_dim,
         block_size=config.block_size,
         wait_for_kernel=kernel_build is None,
-        sliding_window=any(window is not None for window in mc.sliding_windows),
     )
     reserved_bytes = 0
     if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:

@@ -36,21 +36,26 @@ CASES = [
 ]
 
 
-def jit_reference(q, k_pages, v_pages, metadata, block_q: int):
+def jit_reference(q, k_pages, v_pages, metadata, block_q: int, sliding_window: int | None = None):
     """The jnp reference compiled whole: op by op, each new batch shape cost seconds of small compiles."""
-    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q))(
-        q, k_pages, v_pages, metadata
-    )
+    return jax.jit(
+        functools.partial(
+            ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q, sliding_window=sliding_window
+        )
+    )(q, k_pages, v_pages, metadata)
 
 
-def run_both(case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int):
+def run_both(
+    case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int, sliding_window: int | None = None
+):
     """The kernel and the reference on fill_pool's NaN-filled pools, with float32 queries (CPU activations)."""
     rng = np.random.default_rng(seed)
     k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
     q = random_q(rng, case, num_tokens).astype(jnp.float32)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
-    out = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE))(q, k_pages, v_pages, metadata)
-    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4)
+    kernel = functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE, sliding_window=sliding_window)
+    out = jax.jit(kernel)(q, k_pages, v_pages, metadata)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4, sliding_window=sliding_window)
     return np.asarray(out), np.asarray(ref)
 
 
@@ -77,8 +82,48 @@ def test_mixed_batch_equals_reference(case: Case):
     assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
 
 
-def test_long_prefill_spans_several_query_tiles_and_key_chunks():
-    # 150 new tokens over a cached prefix of 100: 10 query tiles of 16, keys in chunks of 64.
+# (case, window): every pool dtype and chunk path (scalar, 64- and 128-wide vectors) once, with a
+# window longer than every sequence, of one block (decodes at whole-block lengths start it on a
+# block boundary) and starting mid-block; a window of one token is the hand-worked test below.
+WINDOWED_CASES = [
+    (Case(8, 16, 1, "float32"), 1000),
+    (Case(16, 64, 3, "float16", num_kv_heads=3), 16),
+    (Case(32, 128, 4, "bfloat16"), 45),
+]
+
+
+@pytest.mark.parametrize(("case", "window"), WINDOWED_CASES, ids=lambda x: str(x))
+def test_windowed_mixed_batch_equals_reference(case: Case, window: int):
+    """Prompts, chunks over a cached prefix, decodes and padding, each query seeing only its window."""
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
+    out, ref = run_both(case, q_lens, seq_lens, num_tokens, seed=6, sliding_window=window)
+    assert_close(out, ref)
+    assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
+
+
+def test_window_of_one_token_returns_each_tokens_own_value():
+    """A hand-worked case: softmax over one key is 1, so each token's output is its own V row. One
+    query head per KV head: items of up to 7 tokens take the narrow path, each row its own window."""
+    case = Case(8, 64, 1, "float32")
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
+    rng = np.random.default_rng(7)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    q = random_q(rng, case, num_tokens)
+    metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
+    out = np.asarray(ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, SM_SCALE, sliding_window=1))
+    token = 0
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            block = int(block_tables[req, pos // case.block_size])
+            own_v = np.asarray(v_pages)[:, block, pos % case.block_size]  # [kv_heads, dim]
+            np.testing.assert_array_equal(out[token], np.repeat(own_v, case.group, axis=0))
+            token += 1
+
+
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window37"])
+def test_long_prefill_spans_several_query_tiles_and_key_chunks(window: int | None):
+    # 150 new tokens over a cached prefix of 100: 10 query tiles of 16, keys in chunks of 64. With
+    # a window of 37 the first token (position 100) sees from 64 on: pages 0-3 are never read.
     case = Case(16, 32, 2, "float16")
     seq_len = 250
     rng = np.random.default_rng(2)
@@ -94,8 +139,11 @@ def test_long_prefill_spans_several_query_tiles_and_key_chunks():
     q = jnp.asarray(rng.normal(size=(160, 4, 32)), jnp.float32)
     metadata = ragged_metadata([150], [seq_len], block_tables, 160)
     k_pages, v_pages = jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16)
-    out = ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, SM_SCALE)
-    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=16)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=16, sliding_window=window)
+    if window is not None:  # the reference reads (and masks) whole tiles; the kernel must skip these pages
+        k_pages = k_pages.at[:, table[:4]].set(jnp.nan)
+        v_pages = v_pages.at[:, table[:4]].set(jnp.nan)
+    out = ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, SM_SCALE, sliding_window=window)
     assert_close(np.asarray(out), np.asarray(ref))
 
 
@@ -105,19 +153,25 @@ def test_long_prefill_spans_several_query_tiles_and_key_chunks():
         st.tuples(st.integers(0, MAX_BLOCKS * 8), st.integers(0, MAX_BLOCKS * 8)), min_size=1, max_size=40
     ),
     extra_tokens=st.integers(0, 5),
+    window=st.one_of(st.none(), st.integers(1, MAX_BLOCKS * 8 + 2)),
+    head_dim=st.sampled_from([16, 64]),  # the scalar and the vector chunk paths
 )
-def test_random_batches_equal_reference(requests: list[tuple[int, int]], extra_tokens: int):
-    """Any mix of (q_len <= seq_len) requests, enough of them to spread over the worker threads."""
-    case = Case(8, 16, 2, "float16")
+def test_random_batches_equal_reference(
+    requests: list[tuple[int, int]], extra_tokens: int, window: int | None, head_dim: int
+):
+    """Any mix of (q_len <= seq_len) requests, enough of them to spread over the worker threads, with
+    full attention or any window."""
+    case = Case(8, head_dim, 2, "float16")
     q_lens = [min(q, s) for q, s in requests]
     seq_lens = [s for _, s in requests]
-    out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + extra_tokens, seed=len(requests))
+    out, ref = run_both(case, q_lens, seq_lens, sum(q_lens) + extra_tokens, seed=len(requests), sliding_window=window)
     assert_close(out, ref)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
 def test_fused_write_equals_write_kv_then_attention(dtype):
-    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's."""
+    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's, and
+    attends (with a window: the attention reads what the same call wrote) like the reference."""
     case = Case(8, 24, 2, "float32")
     q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
     rng = np.random.default_rng(4)
@@ -138,7 +192,8 @@ def test_fused_write_equals_write_kv_then_attention(dtype):
     q = jnp.asarray(rng.normal(size=(num_tokens, 4, case.head_dim)), jnp.float32)
     metadata = dataclasses.replace(ragged_metadata(q_lens, seq_lens, block_tables, num_tokens), slot_mapping=jnp.asarray(slots))
 
-    out, k_out, v_out = jax.jit(functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE))(
+    window = 5
+    out, k_out, v_out = jax.jit(functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE, sliding_window=window))(
         q, k, v, k_pages, v_pages, metadata
     )
     k_ref, v_ref = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
@@ -146,9 +201,28 @@ def test_fused_write_equals_write_kv_then_attention(dtype):
     for got, want in ((k_out, k_ref), (v_out, v_ref)):  # block 0 (the null block) holds garbage by contract
         np.testing.assert_array_equal(np.asarray(got)[:, 1:].view(bits), np.asarray(want)[:, 1:].view(bits))
     if dtype == jnp.float32:  # the huge values overflow 16-bit pools, so compare attention in float32 only
-        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4)
+        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4, sliding_window=window)
         rows = np.arange(num_tokens) != 0  # token 0 (request 0) reads the NaN written into V
         np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(ref)[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_layers_cpp_attention_hands_the_window_to_the_kernel():
+    """write_kv_and_attend, as a layer calls it, equals write_kv then the windowed kernel (which the
+    tests above check against the reference); a window of 5 binds in this batch."""
+    case = Case(8, 32, 2, "float32")
+    q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
+    rng = np.random.default_rng(8)
+    k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
+    q = random_q(rng, case, num_tokens)
+    k, v = (jnp.asarray(rng.normal(size=(num_tokens, case.num_kv_heads, case.head_dim)), jnp.float32) for _ in "kv")
+    metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)  # every token writes the null block
+    out, _ = backend.write_kv_and_attend(
+        q, k, v, (k_pages, v_pages), metadata, SM_SCALE, backend.AttentionPlan("cpp"), sliding_window=5
+    )
+    written = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
+    want = ragged_paged_attention_cpu(q, *written, metadata, SM_SCALE, sliding_window=5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert not np.allclose(np.asarray(want), np.asarray(ragged_paged_attention_cpu(q, *written, metadata, SM_SCALE)))
 
 
 def test_fused_write_updates_a_donated_pool_in_place():
@@ -171,6 +245,14 @@ def test_pool_dtype_it_cannot_read_is_refused_with_the_fix():
     q = jnp.zeros((1, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype="):
         ragged_paged_attention_cpu(q, k_pages.astype(jnp.int8), v_pages.astype(jnp.int8), metadata, SM_SCALE)
+
+
+def test_window_of_zero_tokens_is_refused_with_the_fix():
+    case = Case(8, 16, 1, "float32")
+    k_pages, v_pages, block_tables = fill_pool(np.random.default_rng(0), case, [3])
+    metadata = ragged_metadata([1], [3], block_tables, 1)
+    with pytest.raises(ValueError, match="sliding_window=0.*pass None"):
+        ragged_paged_attention_cpu(jnp.zeros((1, 1, 16)), k_pages, v_pages, metadata, SM_SCALE, sliding_window=0)
 
 
 def test_build_without_a_compiler_names_it_and_the_fix(tmp_path, monkeypatch):

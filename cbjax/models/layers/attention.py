@@ -105,28 +105,18 @@ def resolve_backend(
     head_dim: int = 128,
     block_size: int = 16,
     wait_for_kernel: bool = True,
-    sliding_window: bool = False,
 ) -> str:
     """Turn a user's choice ("auto" included) into one of BACKENDS, and log it once.
 
     The shapes are the model's; "auto" probes the Pallas kernels at them on a GPU. With
     wait_for_kernel=False, a C++ kernel still being built (kernels_cpu.register_in_background)
     counts as usable; whoever compiles a step first checks the build (cpu_kernel_fallback).
-    On a CPU a model with sliding-window layers runs the jnp reference ("xla"): the C++ kernel has
-    no window yet.
+    Every backend has sliding-window attention, so a model's windows do not enter the choice.
     """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={requested!r} is not one of {('auto', *BACKENDS)}")
     chosen = "xla" if requested == "auto" else requested
     platform = jax.devices()[0].platform
-    if sliding_window and platform == "cpu":
-        if requested == "cpp":
-            raise ValueError("attention_backend='cpp' has no sliding-window attention yet, and this model's layers "
-                             "have a window; use attention_backend='auto' or 'xla' (the jnp reference)")
-        if requested == "auto":
-            logger.info("attention backend: xla (requested auto): the model has sliding-window layers, which the C++ "
-                        "kernel does not run yet")
-            return "xla"
     if requested == "cpp" and platform != "cpu":
         raise ValueError(f"attention_backend='cpp' is the CPU kernel, but JAX runs on {platform}; use 'auto'")
     if requested in ("auto", "cpp") and platform == "cpu":
@@ -185,13 +175,8 @@ def attention(
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
-    if sliding_window is not None and backend == "cpp":
-        raise ValueError(
-            f"sliding_window={sliding_window} with attention backend 'cpp': the C++ kernel has no sliding-window "
-            f"attention yet; serve with attention_backend='xla'"
-        )
     if backend == "cpp":
-        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale)
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale, sliding_window)
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(
@@ -250,8 +235,8 @@ def write_kv_and_attend(
             check_vma=False,  # custom calls (the C++ kernel) carry no varying-axis types
         )
         return per_shard(q, k, v, kv_cache, metadata)
-    if plan.backend == "cpp" and sliding_window is None:
-        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale)
+    if plan.backend == "cpp":
+        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale, sliding_window)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
     return attention(q, k_pages, v_pages, metadata, sm_scale, plan, sliding_window), (k_pages, v_pages)
