@@ -227,6 +227,7 @@ def main() -> None:
     qwen2 = make_tiny_checkpoint(tmp / "qwen2", "qwen2")  # q/k/v biases, split and repeated with their columns
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
     olmo2 = make_tiny_checkpoint(tmp / "olmo2", "olmo2", num_key_value_heads=1)  # k_norm over a repeated KV head
+    gemma3 = make_tiny_checkpoint(tmp / "gemma3", "gemma3_text", head_dim=16)  # local/global layers, windowed
     # 8 experts, top 2; Qwen3-MoE's layer 1 dense (tests/helpers_hf.py)
     moe = {family: make_tiny_checkpoint(tmp / family, family) for family in ("qwen3_moe", "mixtral")}
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
@@ -241,7 +242,7 @@ def main() -> None:
         "mixtral": {4: serve("mixtral", moe["mixtral"][1], 4, compiles)},
         "logits": {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()}
         | {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 4)}
-           for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2))},
+           for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2), ("gemma3", gemma3))},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),

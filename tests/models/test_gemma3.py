@@ -4,6 +4,11 @@ test_model_parity.py, greedy tokens through the engine in test_registry.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbed
 
 from cbjax.models.config import ModelConfig, RopeScaling
 from cbjax.models.registry import model_class
+from cbjax.plan.capacity import PRESETS_DIR
 from helpers_hf import ARCHITECTURES as HF_ARCHITECTURES
 
 GEMMA3_1B_4X_CONFIG = dict(  # google/gemma-3-1b-it's config.json fields, in 4.x form (no layer_types)
@@ -75,3 +81,18 @@ def test_gemma3_embeddings_scale_by_sqrt_hidden_rounded_to_the_weights_dtype():
     token_ids = [0, 3, 7]
     expected = reference(torch.tensor(token_ids)).detach().float().numpy()
     np.testing.assert_array_equal(np.asarray(model.embed(jnp.array(token_ids))), expected)
+
+
+def test_gemma3_27b_layers_lower_for_cuda_at_tp8_from_the_config_alone(tmp_path):
+    """Its first six layers (five windowed local, one global): the windowed Pallas kernels under shard_map,
+    16 KV heads over 8 devices, from abstract weights. Its own process: the CLI asks for 8 virtual CPU devices."""
+    config = json.loads((PRESETS_DIR / "gemma-3-27b.json").read_text()) | {"num_hidden_layers": 6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "cbjax", "lower", "--config", str(tmp_path / "config.json"), "--tensor-parallel-size", "8",
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--block-size", "16"],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8" in done.stdout
+    assert all("8 partitions" in line for line in done.stdout.splitlines() if "partitions" in line)

@@ -64,13 +64,11 @@ LAYOUTS = ("plain", "packed", "fused+packed")
 # (its fused kernel packs though k and v alone would not), q/k/v biases with a tied head, and q/k
 # norms that must apply after the fused columns are split.
 FUSED_CASES = ("llama3_rope_with_biases", "mistral_gqa4", "qwen2_qkv_bias_tied", "olmo2_whole_qk_norm_with_biases")
-# Sliding-window layers: plain only, as the packed layouts run the C++ attention, which has no window yet.
-WINDOWED_CASES = ("gemma3_local_global_head_dim16",)
 
 
 @pytest.fixture(scope="module", ids="-".join, params=[
     (case, layout) for case in CASES for layout in LAYOUTS
-    if (not layout.startswith("fused") or case in FUSED_CASES) and (layout == "plain" or case not in WINDOWED_CASES)])
+    if not layout.startswith("fused") or case in FUSED_CASES])
 def loaded(request, tmp_path_factory) -> Loaded:
     case, layout = request.param
     is_packed, fused = layout.endswith("packed"), layout.startswith("fused")

@@ -59,12 +59,14 @@ def test_no_compiles_while_serving_under_tp(findings):
     assert findings["llama"]["4"]["compiles_while_serving"] == 0
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "olmo2", "gemma3"])
 def test_dense_families_split_over_4_devices_give_tp1_logits(findings, family):
-    """Qwen2's biases, Qwen3's q/k norms over one KV head repeated 4x, OLMo-2's whole-projection norms:
-    each family's TP plan gives TP=1's logits (and TP=1's equal transformers', test_model_parity)."""
+    """Qwen2's biases, Qwen3's q/k norms over one KV head repeated 4x, OLMo-2's whole-projection norms,
+    Gemma 3's four norms per layer and windowed local layers: each family's TP plan gives TP=1's
+    logits (and TP=1's equal transformers', test_model_parity)."""
     runs = findings["logits"][family]
-    np.testing.assert_allclose(np.array(runs["4"]["logits"]), np.array(runs["1"]["logits"]), atol=1e-5, rtol=1e-5)
+    # Float32 sums in another order: Gemma's scaled embeddings and four norms per layer give logits near 10.
+    np.testing.assert_allclose(np.array(runs["4"]["logits"]), np.array(runs["1"]["logits"]), atol=1e-4, rtol=1e-5)
     q_proj = runs["4"]["weights"]["model.layers.0.self_attn.q_proj.kernel"]
     assert q_proj["shard_shapes"] == [[q_proj["shape"][0], q_proj["shape"][1] // 4]]  # split by heads
 
