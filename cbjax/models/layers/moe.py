@@ -151,19 +151,17 @@ class SparseMoeBlock(nnx.Module):
                                    out_dtype=self.activation_dtype)
         if plan.mesh is None:
             return matmul(x, weights, experts, *kernels).astype(x.dtype)
-        if plan.expert_parallel:  # each device: its whole experts, a partial sum of the output
+        if plan.expert_parallel:  # each device: its whole experts, the other devices' counted as none
             num_local = config.num_experts // plan.mesh.shape[MODEL_AXIS]
-            by_expert = P(MODEL_AXIS, None, None)
-            per_shard = jax.shard_map(
-                lambda x, weights, experts, *local_kernels: jax.lax.psum(
-                    matmul(x, *local_experts(weights, experts, num_local), *local_kernels), MODEL_AXIS),
-                mesh=plan.mesh, in_specs=(P(), P(), P(), by_expert, by_expert, by_expert), out_specs=P(),
-            )
-            return per_shard(x, weights, experts, *kernels).astype(x.dtype)
-        # Each device: its columns of every expert's gate/up and rows of down, a partial sum of the output.
-        columns, rows = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+            kernel_specs = (P(MODEL_AXIS, None, None),) * 3
+            per_device = lambda x, weights, experts, *local_kernels: matmul(  # noqa: E731
+                x, *local_experts(weights, experts, num_local), *local_kernels)
+        else:  # each device: its columns of every expert's gate/up and rows of down
+            columns, rows = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+            kernel_specs, per_device = (columns, columns, rows), matmul
+        # Either way each device holds a partial sum of the output.
         per_shard = jax.shard_map(
-            lambda *args: jax.lax.psum(matmul(*args), MODEL_AXIS),
-            mesh=plan.mesh, in_specs=(P(), P(), P(), columns, columns, rows), out_specs=P(),
+            lambda *args: jax.lax.psum(per_device(*args), MODEL_AXIS),
+            mesh=plan.mesh, in_specs=(P(), P(), P(), *kernel_specs), out_specs=P(),
         )
         return per_shard(x, weights, experts, *kernels).astype(x.dtype)
