@@ -58,6 +58,9 @@ class EngineConfig:
     # (LLMEngine._overlaps: otherwise a prompt arriving mid-step would wait one more step).
     async_scheduling: bool | None = True
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
+    # Mixture-of-experts (vLLM's option): the experts placed whole on the tensor_parallel_size devices,
+    # num_experts / tensor_parallel_size each, instead of each expert split over all; attention stays tensor parallel.
+    enable_expert_parallel: bool = False
     # Multi-host (worker/distributed/multihost.py): every process gets the same options but its own process_id;
     # process 0 serves, the others run `cbjax worker`. The mesh spans all processes' devices.
     coordinator: str | None = None  # "HOST:PORT" of process 0, where jax.distributed's coordinator listens

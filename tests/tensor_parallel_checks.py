@@ -5,9 +5,11 @@ XLA_FLAGS must be set before jax is imported, so these checks cannot share the p
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -111,13 +113,23 @@ def cuda_lowering_failures(ckpt: Path, tp: int) -> list[str]:
     return [f"{bucket}: {error}" for bucket, error in engine.runner.lower_all("cuda", "pallas") if error is not None]
 
 
-def abstract_lowering(config: ModelConfig, tp: int) -> dict:
+def shard_map_inputs(lowered_text: str) -> collections.Counter[str]:
+    """How many inputs of the lowered step's shard_maps (sdy.manual_computation) carry each sharding."""
+    specs = re.findall(r"sdy\.manual_computation\(.*?in_shardings=\[(.*?)\] out_shardings", lowered_text)
+    return collections.Counter(spec for found in specs for spec in re.findall(r"<@mesh, (\[.*?\])>", found))
+
+
+def abstract_lowering(config: ModelConfig, tp: int, expert_parallel: bool = False) -> dict:
     """Every bucket lowered for CUDA from the config alone (cbjax lower --config): what failed, the
-    partitions and argument shardings each step has, and the device bytes that building it allocated."""
+    partitions, argument shardings and shard_map input shardings each step has, and the device bytes
+    that building it allocated."""
     live_bytes = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
     before = live_bytes()
-    runner = abstract_runner(config, EngineConfig(model="abstract", tensor_parallel_size=tp, **ENGINE_OPTIONS), "cuda")
-    found = {"failures": [], "partitions": [], "shardings": [], "allocated_bytes": live_bytes() - before}
+    engine_config = EngineConfig(model="abstract", tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+                                 **ENGINE_OPTIONS)
+    runner = abstract_runner(config, engine_config, "cuda")
+    found = {"failures": [], "partitions": [], "shardings": [], "shard_map_inputs": [],
+             "allocated_bytes": live_bytes() - before}
     for bucket in runner.buckets:
         try:
             text = runner.lower_for(bucket, "cuda", "pallas").as_text()
@@ -126,12 +138,14 @@ def abstract_lowering(config: ModelConfig, tp: int) -> dict:
             continue
         found["partitions"].append(num_partitions(text))
         found["shardings"].append(dict(argument_shardings(text)))
+        found["shard_map_inputs"].append(dict(shard_map_inputs(text)))
     return found
 
 
-def tp_logits(ckpt: Path, tp: int) -> dict:
+def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False) -> dict:
     """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
-    pool) with its weights split over `tp` devices, and every weight's shape and shard shapes. A forward
+    pool) with its weights split over `tp` devices (a MoE model's experts placed whole on them with
+    expert_parallel), and every weight's shape and shard shapes. A forward
     pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the engine's TP
     path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
@@ -139,7 +153,7 @@ def tp_logits(ckpt: Path, tp: int) -> dict:
     from cbjax.models.layers.kv_pool import init_kv_pool
     from kernels_pallas import AttentionMetadata
 
-    tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp) if tp > 1 else None
+    tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp, expert_parallel=expert_parallel) if tp > 1 else None
     model, config = load_model(ckpt, tensor_parallel=tensor_parallel)
     graphdef, state = nnx.split(model)
     block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
@@ -150,7 +164,7 @@ def tp_logits(ckpt: Path, tp: int) -> dict:
     metadata = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
                                  query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
                                  block_tables=jnp.arange(1, 8, dtype=jnp.int32)[None])
-    plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh)
+    plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh, expert_parallel=expert_parallel)
     step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
         jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
     weights = {param_name(path): {"shape": list(variable.shape),
@@ -243,6 +257,8 @@ def main() -> None:
         "logits": {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()}
         | {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 4)}
            for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2), ("gemma3", gemma3))},
+        "expert_parallel_logits": {family: {ep: tp_logits(dirs[1], ep, expert_parallel=True) for ep in (2, 4)}
+                                   for family, dirs in moe.items()},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),
@@ -251,6 +267,8 @@ def main() -> None:
             "llama": {tp: abstract_lowering(ModelConfig.from_dir(llama[1]), tp) for tp in (2, 4)},
             # Llama-3-70B's shapes (64 heads, 8 KV heads, head_dim 128, vocab 128256), two of its 80 layers
             "llama-3-70b": {4: abstract_lowering(dataclasses.replace(load_model_config("llama-3-70b")[1], num_hidden_layers=2), 4)},
+            # The engine's step under expert parallelism: its MoE shard_maps take whole experts
+            "mixtral-ep": {4: abstract_lowering(ModelConfig.from_dir(moe["mixtral"][1]), 4, expert_parallel=True)},
         },
         "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
     }

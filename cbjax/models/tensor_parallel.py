@@ -2,8 +2,9 @@
 
 Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
 split by output columns, o and down by input rows (one all-reduce after each; each expert of a
-mixture-of-experts layer split the same way, tensor parallel within experts), the embedding and
-the LM head by vocabulary. When a model has fewer KV heads than devices, each KV head is
+mixture-of-experts layer split the same way, tensor parallel within experts; or, with expert
+parallelism, the experts placed whole on devices, num_experts / N each), the embedding and the LM
+head by vocabulary. When a model has fewer KV heads than devices, each KV head is
 replicated until every device holds one (as vLLM and tpu-inference do), so k/v and the KV pool
 take a full head per device. No JAX here: `cbjax plan` and the mesh building both use it.
 """
@@ -25,7 +26,12 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(num_kv_heads // tensor_parallel_size, 1)
 
 
-def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int) -> list[str]:
+def is_expert_kernel(path: tuple[str, ...]) -> bool:
+    """A MoE layer's stacked experts [E, in, out] (`...mlp.experts.gate_proj.kernel`)."""
+    return len(path) >= 3 and path[-3] == "experts" and path[-1] == "kernel"
+
+
+def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> list[str]:
     """Why the model cannot be split over `tensor_parallel_size` devices (empty if it can)."""
     n = tensor_parallel_size
     problems = []
@@ -36,23 +42,26 @@ def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int) -> 
         problems.append(f"num_key_value_heads={kv} neither divides by {n} nor divides {n} (for replication)")
     if config.intermediate_size % n:
         problems.append(f"intermediate_size={config.intermediate_size} is not divisible by {n}")
-    if config.num_experts and config.moe_intermediate_size % n:  # each expert is split like a dense MLP
+    if config.num_experts and expert_parallel and config.num_experts % n:  # whole experts per device
+        problems.append(f"num_experts={config.num_experts} is not divisible by {n} (expert parallel: whole experts "
+                        f"per device)")
+    if config.num_experts and not expert_parallel and config.moe_intermediate_size % n:  # split like a dense MLP
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size} is not divisible by {n}")
     return problems
 
 
-def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+def valid_tensor_parallel_sizes(config: ModelConfig, expert_parallel: bool = False) -> list[int]:
     """Every size the model splits over (bounded by the attention heads, each device needing one)."""
-    return [n for n in range(1, config.num_attention_heads + 1) if not tensor_parallel_problems(config, n)]
+    return [n for n in range(1, config.num_attention_heads + 1) if not tensor_parallel_problems(config, n, expert_parallel)]
 
 
-def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> None:
     """Raise ValueError naming the numbers that do not split and the sizes that would."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    problems = tensor_parallel_problems(config, tensor_parallel_size)
+    problems = tensor_parallel_problems(config, tensor_parallel_size, expert_parallel)
     if problems:
-        sizes = ", ".join(map(str, valid_tensor_parallel_sizes(config)))
+        sizes = ", ".join(map(str, valid_tensor_parallel_sizes(config, expert_parallel)))
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} cannot split this model: {'; '.join(problems)}; "
             f"valid sizes: {sizes}"
@@ -60,11 +69,14 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
 
 
 def shard_shape(
-    path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig, tensor_parallel_size: int
+    path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig, tensor_parallel_size: int,
+    expert_parallel: bool = False,
 ) -> tuple[int, ...]:
     """The shape one device holds of the parameter at `path` (nnx state path names)."""
     n, plan = tensor_parallel_size, tensor_parallel_plan(config)
     module, name = path[-2], path[-1]
+    if expert_parallel and is_expert_kernel(path):  # [E, in, out]: E / N whole experts
+        return (shape[0] // n, *shape[1:])
     if module in plan.kv_head_columns:  # KV heads x head_dim, replicated up to one head per device
         heads = config.num_key_value_heads  # a replicated one (OLMo-2's k_norm) holds every repeated head
         per_device = kv_heads_per_device(heads, n) if module in plan.column_parallel else heads * max(n // heads, 1)

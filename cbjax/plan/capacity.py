@@ -57,6 +57,7 @@ class CapacityPlan:
     model: str
     device: Accelerator
     tensor_parallel_size: int
+    expert_parallel: bool  # a MoE model's experts placed whole on devices, num_experts / tensor_parallel_size each
     dtype: str
     kv_cache_dtype: str
     max_model_len: int
@@ -105,20 +106,22 @@ def representative_model(config: ModelConfig, dtype: jnp.dtype) -> nnx.Module:
     return nnx.eval_shape(lambda: model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def _parameter_shards(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int):
+def _parameter_shards(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False):
     """(path, one device's elements of it, itemsize, how many of the model's layers hold it) per parameter of `model`."""
     repeats = layer_repeats(config)
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         value = variable.get_value()
         count = repeats[path[path.index("layers") + 1]] if "layers" in path else 1
-        yield path, math.prod(shard_shape(path, value.shape, config, tensor_parallel_size)), value.dtype.itemsize, count
+        shard = shard_shape(path, value.shape, config, tensor_parallel_size, expert_parallel)
+        yield path, math.prod(shard), value.dtype.itemsize, count
 
 
-def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, experts_only: bool = False) -> int:
+def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, experts_only: bool = False,
+                            expert_parallel: bool = False) -> int:
     """Bytes of one device's shard of every parameter (only the experts', if experts_only) of `model`
     (representative_model)."""
-    return sum(size * itemsize * count for path, size, itemsize, count in _parameter_shards(model, config, tensor_parallel_size)
-               if not experts_only or "experts" in path)
+    shards = _parameter_shards(model, config, tensor_parallel_size, expert_parallel)
+    return sum(size * itemsize * count for path, size, itemsize, count in shards if not experts_only or "experts" in path)
 
 
 def parameter_counts(model: nnx.Module, config: ModelConfig) -> tuple[int, int]:
@@ -159,9 +162,11 @@ def plan_capacity(
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
     context_len: int | None = None,
+    expert_parallel: bool = False,
 ) -> CapacityPlan:
-    """The plan for serving `config` on `tensor_parallel_size` devices; ValueError if it cannot run."""
-    check_tensor_parallel(config, tensor_parallel_size)
+    """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
+    expert, or placed whole with expert_parallel); ValueError if it cannot run."""
+    check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
     engine_config = EngineConfig(
         model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
@@ -170,12 +175,14 @@ def plan_capacity(
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     model = representative_model(config, weight_dtype)
-    weights = weight_bytes_per_device(model, config, tensor_parallel_size)
-    expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True)
+    weights = weight_bytes_per_device(model, config, tensor_parallel_size, expert_parallel=expert_parallel)
+    expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True,
+                                           expert_parallel=expert_parallel)
     parameters, active_parameters = parameter_counts(model, config)
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
-        fitting = [n for n in valid_tensor_parallel_sizes(config) if weight_bytes_per_device(model, config, n) < usable]
+        fitting = [n for n in valid_tensor_parallel_sizes(config, expert_parallel)
+                   if weight_bytes_per_device(model, config, n, expert_parallel=expert_parallel) < usable]
         fix = f"use tensor_parallel_size={fitting[0]}, " if fitting else "no valid tensor_parallel_size fits; use "
         raise ValueError(
             f"the weights take {weights / 2**30:.1f} GiB per device at tensor_parallel_size={tensor_parallel_size}; "
@@ -199,6 +206,7 @@ def plan_capacity(
         model=name,
         device=device,
         tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,
@@ -247,7 +255,8 @@ def format_plan(plan: CapacityPlan) -> str:
         f"parameters:                    {plan.parameters / 1e9:.2f} B"
         + (f", {plan.active_parameters / 1e9:.2f} B active per token" if plan.active_parameters != plan.parameters else ""),
         f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)"
-        + (f", experts {gib(plan.expert_bytes_per_device)}" if plan.expert_bytes_per_device else ""),
+        + (f", experts {gib(plan.expert_bytes_per_device)}" if plan.expert_bytes_per_device else "")
+        + (" (expert parallel: whole experts, num_experts / N per device)" if plan.expert_parallel else ""),
         f"KV heads per device:           {plan.kv_heads_per_device}",
     ]
     if plan.kv_head_replicas > 1:

@@ -54,7 +54,8 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     activation_dtype = "float32" if device.platform == "cpu" else None
     tensor_parallel = None
     if config.tensor_parallel_size > 1:  # checked against the model before any weight is read
-        tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size)
+        tensor_parallel = TensorParallel.create(ModelConfig.from_dir(config.model), config.tensor_parallel_size,
+                                                expert_parallel=config.enable_expert_parallel)
     # On a CPU the C++ attention kernel may need building (seconds): it builds while the weights
     # load and the steps are traced; the runner waits for it before it compiles them.
     kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None

@@ -279,7 +279,8 @@ class ModelRunner:
                 inputs.positions,
                 kv_pool,
                 metadata,
-                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
+                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh,
+                              self.config.enable_expert_parallel),
             )
             logits = model.compute_logits(hidden[inputs.logits_indices])
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,

@@ -8,7 +8,9 @@ case asserts, from transformers' own router logits, that its prompts route to ev
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,8 +34,11 @@ from cbjax.models.layers.moe import (
     MOE_MATMULS,
     SparseMoeBlock,
     experts_per_platform,
+    local_experts,
     route,
 )
+from cbjax.models.layers.mesh import MODEL_AXIS
+from cbjax.plan.capacity import PRESETS_DIR
 from engine_helpers import hf_greedy
 from helpers_hf import hf_logits, load_hf_model, make_tiny_hf_model
 from test_model_parity import ATOL, RTOL, Loaded, Seq, nan_pools, prefill, random_tokens
@@ -77,6 +82,27 @@ def test_expert_matmul_equals_a_loop_over_each_tokens_chosen_experts(matmul, num
     down = jax.random.normal(keys[3], (NUM_EXPERTS, inner, hidden)) / 4
     weights, experts = route(jax.random.normal(keys[4], (num_tokens, NUM_EXPERTS)), TOP_K, renormalize=False)
     got = jax.jit(MOE_MATMULS[matmul], static_argnums=6)(x, weights, experts, gate, up, down, jnp.float32)
+    want = loop_reference(*(np.asarray(a) for a in (x, weights, experts, gate, up, down)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("matmul", sorted(MOE_MATMULS))
+def test_expert_parallel_devices_local_experts_sum_to_the_loop_over_chosen_experts(matmul):
+    """Expert parallelism's per-device computation: 4 devices (a vmap named like the mesh axis, summed as the
+    psum does) of 2 whole experts each, every device given every token, other devices' experts contributing nothing."""
+    num_tokens, hidden, inner, num_devices = 13, 16, 24, 4
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (num_tokens, hidden))
+    gate, up = (jax.random.normal(k, (NUM_EXPERTS, hidden, inner)) / 4 for k in keys[1:3])
+    down = jax.random.normal(keys[3], (NUM_EXPERTS, inner, hidden)) / 4
+    weights, experts = route(jax.random.normal(keys[4], (num_tokens, NUM_EXPERTS)), TOP_K, renormalize=False)
+    num_local = NUM_EXPERTS // num_devices
+    per_device = jax.vmap(
+        lambda *kernels: MOE_MATMULS[matmul](x, *local_experts(weights, experts, num_local), *kernels, jnp.float32),
+        axis_name=MODEL_AXIS,
+    )
+    by_device = (k.reshape(num_devices, num_local, *k.shape[1:]) for k in (gate, up, down))
+    got = jax.jit(per_device)(*by_device).sum(axis=0)
     want = loop_reference(*(np.asarray(a) for a in (x, weights, experts, gate, up, down)))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
@@ -184,18 +210,29 @@ def test_sparse_layers_are_those_transformers_builds_experts_in(tmp_path, family
     assert read_hf_params(hf_dir, ModelConfig.from_dir(hf_dir), "float32", progress=False)  # and every tensor maps
 
 
-@pytest.mark.parametrize(("preset", "num_layers"), [("qwen3-30b-a3b", 48), ("mixtral-8x7b", 32)])
-def test_moe_preset_lowers_for_cuda_at_tp8_from_its_config_alone(preset, num_layers):
-    # Its own process: the CLI asks for 8 virtual CPU devices before JAX starts.
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp8", "ep8"])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_preset_lowers_for_cuda_at_tp8_and_ep8_from_its_config_alone(tmp_path, preset, expert_parallel):
+    # The preset's shapes with 2 of its layers (every layer is sparse; each lowers alike). Its own process:
+    # the CLI asks for 8 virtual CPU devices before JAX starts.
+    num_layers = 2
+    hf = json.loads((PRESETS_DIR / f"{preset}.json").read_text()) | {"num_hidden_layers": num_layers}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
     done = subprocess.run(
-        [sys.executable, "-m", "cbjax", "lower", "--config", preset, "--tensor-parallel-size", "8", "--max-num-seqs", "8",
+        [sys.executable, "-m", "cbjax", "lower", "--config", str(tmp_path), "--tensor-parallel-size", "8",
+         *(["--enable-expert-parallel"] if expert_parallel else []), "--max-num-seqs", "8",
          "--max-num-batched-tokens", "16", "--max-model-len", "64", "--block-size", "16"],
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8" in done.stdout
+    mode = " with expert parallelism" if expert_parallel else ""
+    assert f"lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8{mode}" in done.stdout
     steps = [line for line in done.stdout.splitlines() if "partitions" in line]
-    # Every layer's experts: gate/up [E, hidden, inner] split by columns, down [E, inner, hidden] by rows.
-    assert len(steps) == 2 and all(
-        "8 partitions" in line and f'{2 * num_layers} x [{{}}, {{}}, {{"model"}}]' in line
-        and f'{num_layers} x [{{}}, {{"model"}}, {{}}]' in line for line in steps)
+    assert len(steps) == 2 and all("8 partitions" in line for line in steps)
+    for line in steps:
+        # 3-D arguments are the experts' [E, in, out] kernels: with EP all three split by expert (whole experts
+        # per device); with TP gate/up split by columns, down by rows, within every expert.
+        stacked = {spec: int(count) for count, spec in re.findall(r"(\d+) x (\[[^\]]*\])", line) if spec.count("{") == 3}
+        want = ({'[{"model"}, {}, {}]': 3 * num_layers} if expert_parallel
+                else {'[{}, {}, {"model"}]': 2 * num_layers, '[{}, {"model"}, {}]': num_layers})
+        assert stacked == want, line

@@ -138,3 +138,15 @@ def test_cli_prints_total_and_active_parameters_of_a_moe_preset(capsys):
     out = capsys.readouterr().out
     assert "parameters:                    46.70 B, 12.88 B active per token" in out
     assert "experts 42.00 GiB" in out
+
+
+def test_expert_parallel_holds_whole_experts_and_refuses_more_devices_than_experts(capsys):
+    # Mixtral's 8 experts over 8 devices: one whole expert (gate/up/down 4096 x 14336) per layer and device,
+    # the same bytes as 1/8 of every expert under TP.
+    main(["plan", "--config", "mixtral-8x7b", "--device", "h200", "--tensor-parallel-size", "8", "--enable-expert-parallel"])
+    out = capsys.readouterr().out
+    assert f"experts {2 * 32 * 3 * 4096 * 14336 / 2**30:.2f} GiB (expert parallel" in out
+    # 16 devices split each expert's 14336 columns under TP, but cannot hold whole experts: 8 of them.
+    assert plan("mixtral-8x7b", "h200", 16).expert_bytes_per_device == 2 * 32 * 8 * 3 * 4096 * 14336 // 16
+    with pytest.raises(SystemExit, match="num_experts=8 is not divisible by 16 .* valid sizes: 1, 2, 4, 8$"):
+        main(["plan", "--config", "mixtral-8x7b", "--device", "h200", "--tensor-parallel-size", "16", "--enable-expert-parallel"])

@@ -83,6 +83,22 @@ def test_moe_experts_split_within_each_expert_give_tp1_logits(findings, family, 
     assert weights["model.layers.0.mlp.experts.down_proj.kernel"]["shard_shapes"] == [[8, 32 // n, 64]]
 
 
+@pytest.mark.parametrize("ep", ["2", "4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_experts_placed_whole_on_devices_give_tp1_logits(findings, family, ep):
+    runs, n = findings["expert_parallel_logits"][family], int(ep)
+    want = findings["logits"][family]["1"]["logits"]
+    np.testing.assert_allclose(np.array(runs[ep]["logits"]), np.array(want), atol=1e-5, rtol=1e-5)
+    # 8 experts of inner width 32, hidden 64: 8 / n whole experts per device; attention stays split by heads.
+    weights = runs[ep]["weights"]
+    assert weights["model.layers.0.mlp.experts.gate_proj.kernel"]["shard_shapes"] == [[8 // n, 64, 32]]
+    assert weights["model.layers.0.mlp.experts.up_proj.kernel"]["shard_shapes"] == [[8 // n, 64, 32]]
+    assert weights["model.layers.0.mlp.experts.down_proj.kernel"]["shard_shapes"] == [[8 // n, 32, 64]]
+    assert weights["model.layers.0.mlp.gate.kernel"]["shard_shapes"] == [[64, 8]]  # the router, replicated
+    q_proj = weights["model.layers.0.self_attn.q_proj.kernel"]
+    assert q_proj["shard_shapes"] == [[q_proj["shape"][0], q_proj["shape"][1] // n]]
+
+
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_weights_split_megatron_style(findings, tp):
     n = int(tp)
@@ -169,6 +185,17 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 1 + 1,
             '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1}
     assert all(shardings == want for shardings in run["shardings"])
+
+
+def test_engine_step_under_expert_parallelism_computes_whole_experts_per_device(findings):
+    # The step the engine builds with enable_expert_parallel, lowered for CUDA: the tiny Mixtral's 2 layers'
+    # gate/up/down [8, in, out] arrive split by expert and its MoE shard_maps take them so (no resharding into
+    # the within-expert split); attention's shard_maps still take heads.
+    run = findings["abstract_lowering"]["mixtral-ep"]["4"]
+    assert run["failures"] == [] and run["partitions"] == [4] * 3
+    for shardings, shard_map_inputs in zip(run["shardings"], run["shard_map_inputs"]):
+        assert shardings['[{"model"}, {}, {}]'] == shard_map_inputs['[{"model"}, {}, {}]'] == 2 * 3
+        assert '[{}, {}, {"model"}]' not in shard_map_inputs and '[{}, {"model"}, {}]' in shard_map_inputs
 
 
 def test_refuses_what_cannot_work(findings):

@@ -57,6 +57,11 @@ def add_engine_args(
         "--tensor-parallel-size", type=int, default=1, help="devices to split the model over (all processes')"
     )
     parser.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="mixture-of-experts: place whole experts on the --tensor-parallel-size devices (num_experts / N each) "
+             "instead of splitting every expert over all; attention stays tensor parallel",
+    )
+    parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse cached KV blocks of shared prompt prefixes (--no-enable-prefix-caching to turn off)",
     )
@@ -96,6 +101,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
+        "enable_expert_parallel "
         "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}

@@ -34,7 +34,7 @@ def cmd_lower(args: argparse.Namespace) -> None:
     results = _lower_config(args) if args.config is not None else _lower_checkpoint(args)
     failed = [(bucket, error) for bucket, error in results if error is not None]
     print(f"lowered {len(results) - len(failed)}/{len(results)} steps for {args.platform} with backend {args.backend}"
-          f" at tensor_parallel_size={args.tensor_parallel_size}")
+          f" at tensor_parallel_size={args.tensor_parallel_size}{' with expert parallelism' if args.enable_expert_parallel else ''}")
     for bucket, error in failed:
         print(f"FAILED {bucket.kind} tokens={bucket.num_tokens} requests={bucket.num_reqs}: {error}", file=sys.stderr)
     if failed:

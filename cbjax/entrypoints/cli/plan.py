@@ -13,6 +13,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="a preset (e.g. llama-3-70b), a config.json or a model directory")
     p.add_argument("--device", required=True, choices=list(ACCELERATORS))
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts: whole experts per device (num_experts / N each), not each expert split")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's, min(model's limit, 2048)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -31,7 +33,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         plan = plan_capacity(
             name, config, accelerator(args.device), args.tensor_parallel_size, max_model_len=args.max_model_len,
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-            block_size=args.block_size, context_len=args.context_len,
+            block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")

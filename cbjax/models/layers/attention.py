@@ -160,6 +160,7 @@ class AttentionPlan:
     decode_only: bool = False
     max_num_prefills: int | None = None
     mesh: Mesh | None = None  # tensor parallel: heads and the pool split over its MODEL_AXIS
+    expert_parallel: bool = False  # MoE experts placed whole over MODEL_AXIS, not split within (layers/moe.py)
 
 
 def attention(

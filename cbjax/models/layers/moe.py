@@ -12,6 +12,13 @@ choice is made when the step is lowered (jax.lax.platform_dependent), so a step 
 on a CPU machine (`cbjax lower`) takes the GPU's formulation.
 Under tensor parallelism every expert is split Megatron-style (gate/up by columns, down by rows)
 and each device runs its slice under shard_map, then one all-reduce (a psum) sums them.
+Under expert parallelism (plan.expert_parallel, vLLM's enable_expert_parallel) the same stacked
+kernels are split by expert instead: each device holds num_experts / N whole experts and computes
+their contributions for the tokens routed to them (the other devices' experts count as no expert),
+then the same psum sums them. The hidden states are replicated between layers, so every device
+already has every token and no all-to-all dispatch is needed; an all-to-all (tokens sent to their
+experts' devices and back) pays off only when tokens are sharded over devices, as under
+data-parallel attention, which this engine does not have.
 """
 
 from __future__ import annotations
@@ -99,6 +106,16 @@ def experts_per_platform(*args, out_dtype: jnp.dtype) -> Float[Array, "tokens hi
         *args, default=functools.partial(MOE_MATMULS[DEFAULT_MOE_MATMUL], out_dtype=out_dtype), **per_platform)
 
 
+def local_experts(
+    weights: Float[Array, "tokens top_k"], experts: Int[Array, "tokens top_k"], num_local: int
+) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+    """Inside shard_map over MODEL_AXIS: each choice's index among this device's num_local experts, or
+    num_local (no expert here: a zero one-hot row, a row past the grouped matmul's groups) with weight 0."""
+    local = experts - jax.lax.axis_index(MODEL_AXIS) * num_local
+    here = (local >= 0) & (local < num_local)
+    return jnp.where(here, weights, 0), jnp.where(here, local, num_local)
+
+
 class ExpertKernel(nnx.Module):
     """One projection of every expert, stacked: kernel [num_experts, in, out]."""
 
@@ -134,10 +151,17 @@ class SparseMoeBlock(nnx.Module):
                                    out_dtype=self.activation_dtype)
         if plan.mesh is None:
             return matmul(x, weights, experts, *kernels).astype(x.dtype)
-        # Each device: its columns of every expert's gate/up and rows of down, a partial sum of the output.
-        columns, rows = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+        if plan.expert_parallel:  # each device: its whole experts, the other devices' counted as none
+            num_local = config.num_experts // plan.mesh.shape[MODEL_AXIS]
+            kernel_specs = (P(MODEL_AXIS, None, None),) * 3
+            per_device = lambda x, weights, experts, *local_kernels: matmul(  # noqa: E731
+                x, *local_experts(weights, experts, num_local), *local_kernels)
+        else:  # each device: its columns of every expert's gate/up and rows of down
+            columns, rows = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+            kernel_specs, per_device = (columns, columns, rows), matmul
+        # Either way each device holds a partial sum of the output.
         per_shard = jax.shard_map(
-            lambda *args: jax.lax.psum(matmul(*args), MODEL_AXIS),
-            mesh=plan.mesh, in_specs=(P(), P(), P(), columns, columns, rows), out_specs=P(),
+            lambda *args: jax.lax.psum(per_device(*args), MODEL_AXIS),
+            mesh=plan.mesh, in_specs=(P(), P(), P(), *kernel_specs), out_specs=P(),
         )
         return per_shard(x, weights, experts, *kernels).astype(x.dtype)

@@ -70,7 +70,8 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
     config.resolve(model_config.max_position_embeddings)
     tensor_parallel = None
     if config.tensor_parallel_size > 1:
-        tensor_parallel = TensorParallel.create(model_config, config.tensor_parallel_size, jax.devices("cpu"))
+        tensor_parallel = TensorParallel.create(model_config, config.tensor_parallel_size, jax.devices("cpu"),
+                                                expert_parallel=config.enable_expert_parallel)
         model_config = tensor_parallel.serving_config(model_config)
     on_cpu = platform == "cpu"
     dtype = config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "bfloat16")

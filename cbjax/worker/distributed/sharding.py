@@ -2,7 +2,9 @@
 
 Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
 split by output columns (whole heads per device), o and down by input rows (XLA adds one all-reduce
-after each), the embedding and LM head by vocabulary. Which sizes split a model is
+after each), the embedding and LM head by vocabulary. With expert parallelism a MoE layer's
+stacked experts [E, in, out] are split by expert instead (E / size whole experts per device);
+attention and the dense layers stay as above. Which sizes split a model is
 cbjax.models.tensor_parallel's rule (shared with `cbjax plan`).
 The KV pool [kv_heads, blocks, block_size, head_dim] is split over KV heads, and attention runs
 per device under shard_map (cbjax.models.layers.attention). When a model has fewer KV heads than
@@ -25,7 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cbjax.checkpoint.params import param_name
 from cbjax.models.config import ModelConfig
 from cbjax.models.registry import TensorParallelPlan
-from cbjax.models.tensor_parallel import check_tensor_parallel, tensor_parallel_plan, valid_tensor_parallel_sizes
+from cbjax.models.tensor_parallel import (
+    check_tensor_parallel,
+    is_expert_kernel,
+    tensor_parallel_plan,
+    valid_tensor_parallel_sizes,
+)
 from cbjax.models.layers.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
@@ -40,18 +47,20 @@ class TensorParallel:
     kv_repeats: int  # how many copies of each KV head the pool holds (1 unless kv_heads < size)
     shard_vocab: bool  # the embedding and LM head split by vocabulary (needs vocab % size == 0)
     plan: TensorParallelPlan  # which of the family's modules split how
+    expert_parallel: bool = False  # MoE experts placed whole on devices instead of split within each
 
     @classmethod
-    def create(cls, config: ModelConfig, size: int, devices: list[jax.Device] | None = None) -> TensorParallel:
+    def create(cls, config: ModelConfig, size: int, devices: list[jax.Device] | None = None,
+               expert_parallel: bool = False) -> TensorParallel:
         """Check that `size` can work for this model on these devices, then build the mesh."""
         devices = list(jax.devices() if devices is None else devices)
         if size > len(devices):
-            valid = [n for n in valid_tensor_parallel_sizes(config) if n <= len(devices)]
+            valid = [n for n in valid_tensor_parallel_sizes(config, expert_parallel) if n <= len(devices)]
             raise ValueError(
                 f"tensor_parallel_size={size} asks for more devices than the {len(devices)} present "
                 f"({devices[0].platform}); use at most {len(devices)} (valid sizes for this model: {valid})"
             )
-        check_tensor_parallel(config, size)  # heads and MLP split evenly, or it names the valid sizes
+        check_tensor_parallel(config, size, expert_parallel)  # heads, MLPs, experts split evenly, or it names sizes
         kv_repeats = max(size // config.num_key_value_heads, 1)
         shard_vocab = config.vocab_size % size == 0
         if kv_repeats > 1:
@@ -66,7 +75,8 @@ class TensorParallel:
                 "on every device", config.vocab_size, size,
             )
         mesh = Mesh(np.asarray(devices[:size]), (MODEL_AXIS,))
-        return cls(mesh=mesh, size=size, kv_repeats=kv_repeats, shard_vocab=shard_vocab, plan=tensor_parallel_plan(config))
+        return cls(mesh=mesh, size=size, kv_repeats=kv_repeats, shard_vocab=shard_vocab, plan=tensor_parallel_plan(config),
+                   expert_parallel=expert_parallel)
 
     def serving_config(self, config: ModelConfig) -> ModelConfig:
         """The model as served: KV heads counted after repetition."""
@@ -90,6 +100,8 @@ class TensorParallel:
         """The partition spec of the parameter at dotted path `name`, of this shape."""
         parts = name.split(".")
         module, leaf = parts[-2], parts[-1]
+        if self.expert_parallel and is_expert_kernel(tuple(parts)):
+            return P(MODEL_AXIS, None, None)  # whole experts per device
         stacked = (None,) * (len(shape) - 2) if leaf == "kernel" else ()  # a MoE layer's experts: [E, in, out]
         if module in self.plan.column_parallel:
             return P(*stacked, None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
