@@ -13,6 +13,7 @@ from typing import Any
 
 from cbjax.arguments import check_int
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
+from cbjax.core.structured.guidance import check_constraint
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def check_request(
             f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
             f"at most {limits.max_suppressed_ids} are supported; pass fewer stop_token_ids or min_tokens=0"
         )
+    if params.structured_outputs is not None:
+        check_constraint(params.structured_outputs)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > limits.max_logprobs:

@@ -36,11 +36,12 @@ from cbjax.worker.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
 from cbjax.worker.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.worker.request_slots import RequestSlots
-from cbjax.worker.sample import bad_words, min_tokens
+from cbjax.worker.sample import bad_words, grammar, min_tokens
 from cbjax.worker.sample.sampler import (RequestColumns, SamplerOutput, SamplingRow, SamplingTensors,
                                         assemble_sampling_tensors, joining_request_columns, request_columns, sample)
 from cbjax.core.outputs import PromptLogprobsChunk, SampledTokens
 from cbjax.core.request import Request
+from cbjax.core.structured.backend import bitmask_words
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
@@ -89,6 +90,8 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
+    # Each constrained sampling row's allowed tokens, packed 32 a word (sample/grammar.py); zeros elsewhere.
+    grammar_bitmask: Int[Array, "reqs words"]
 
 
 @jax.tree_util.register_dataclass
@@ -244,6 +247,7 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
+            grammar_bitmask=zeros(num_reqs, bitmask_words(self.model_config.vocab_size)),
         )
 
     def _host_outputs(self, bucket: Bucket) -> StepOutputs:
@@ -281,7 +285,8 @@ class ModelRunner:
                 metadata,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
-            logits = model.compute_logits(hidden[inputs.logits_indices])
+            logits = grammar.masked(model.compute_logits(hidden[inputs.logits_indices]), inputs.sampling,
+                                    inputs.grammar_bitmask)
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
             # each sampling row's last input token is its newest output token, maybe not on the host yet
@@ -608,6 +613,7 @@ class ModelRunner:
         row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
         logprob_targets = []
         sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
+        constrained = []  # (sampling row, its request's grammar)
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
@@ -637,10 +643,14 @@ class ModelRunner:
                     step_rows[len(constants)] = SamplingRow(
                         params, 0, output_index, min_tokens.suppressed_ids(params, output_index, request.eos_token_ids),
                         output_token_ids=request.output_token_ids)
+                if request.grammar is not None:
+                    constrained.append((len(constants), request.grammar))
                 sampling_rows.append(request)
                 constants.append(columns)
                 counters.append(output_index)
         inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, step_rows, bucket.num_reqs, SUPPRESS_LEN))
+        for k, row_grammar in constrained:  # the tokens its grammar allows next
+            row_grammar.fill_bitmask(inputs.grammar_bitmask, k)
         attn = inputs.attention
         for offset, targets in logprob_targets:
             inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
