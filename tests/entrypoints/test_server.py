@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -104,6 +106,45 @@ def test_logit_bias_through_the_openai_client(client, decode):
     assert response.choices[0].text == decode([17] * GREEDY["max_tokens"])
     with pytest.raises(openai.BadRequestError, match=r"\[4000\] in logit_bias are outside the vocabulary"):
         client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY, logit_bias={"4000": 1})
+
+
+OBJECT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "level"],
+                 "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}}}
+
+
+def test_output_constraints_through_the_openai_client(client):
+    """response_format (json_schema) on chat, vLLM's guided_regex and structured_outputs on completions
+    and a streamed chat: each output matches its constraint."""
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "level", "schema": OBJECT_SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), OBJECT_SCHEMA)
+    assert chat.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0.0,
+                                           extra_body={"guided_regex": "[0-9]{2}-[a-c]{2}"})
+    assert re.fullmatch("[0-9]{2}-[a-c]{2}", completion.choices[0].text)
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0.0,
+                                           extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert completion.choices[0].text in ("yes", "no")
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                            temperature=1.0, seed=2, stream=True,
+                                            extra_body={"guided_choice": ["alpha", "beta"]})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "json constraint does not compile"),
+    ({"guided_regex": "(a"}, "guided_regex", "regex constraint does not compile"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_json", "guided_json, guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one constraint"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+])
+def test_a_bad_constraint_is_a_400_naming_its_field(client, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, extra_body=extra)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"], error
 
 
 def test_streamed_completion_joins_to_the_non_streamed_text(client):
