@@ -132,6 +132,43 @@ def test_output_constraints_through_the_openai_client(client):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("alpha", "beta")
 
 
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"$ref": "#/$defs/unit"}},
+           "$defs": {"unit": {"enum": ["C", "F"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": OBJECT_SCHEMA}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": OBJECT_SCHEMA}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_parse_and_validate(client, tool_choice, stream):
+    """tool_choice "required" and a named function are forced by a grammar built from the tools'
+    schemas ($ref included): the calls the openai client assembles validate against them."""
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                              tools=TOOLS, tool_choice=tool_choice, max_tokens=100, temperature=1.0,
+                                              seed=6, stream=stream)  # (random weights: seed 6 closes the array in time)
+    if stream:
+        calls, finish = {}, None
+        for chunk in response:
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+        calls = list(calls.values())
+    else:
+        message, finish = response.choices[0].message, response.choices[0].finish_reason
+        assert message.content is None
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert finish == "tool_calls" and calls
+    if isinstance(tool_choice, dict):
+        assert [call["name"] for call in calls] == ["get_time"]
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "json constraint does not compile"),
