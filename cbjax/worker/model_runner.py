@@ -90,8 +90,6 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
-    # Each constrained sampling row's allowed tokens, packed 32 a word (sample/grammar.py); zeros elsewhere.
-    grammar_bitmask: Int[Array, "reqs words"]
 
 
 @jax.tree_util.register_dataclass
@@ -184,6 +182,10 @@ class ModelRunner:
         self.sampling_constants: dict[str, tuple] = {}
         # (request id, why) of requests whose rows could not be written: the core finishes each alone.
         self.failed_requests: list[tuple[str, str]] = []
+        # The constrained rows' token masks of the step prepare() built last (None: no row is
+        # constrained), and the all-zero masks a step without one is given, by row count.
+        self.step_grammar_bitmask: np.ndarray | None = None
+        self._unused_masks: dict[int, jax.Array] = {}
         self.compiled: dict[Bucket, Any] = {}
         self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -247,7 +249,6 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
-            grammar_bitmask=zeros(num_reqs, bitmask_words(self.model_config.vocab_size)),
         )
 
     def _host_outputs(self, bucket: Bucket) -> StepOutputs:
@@ -266,7 +267,7 @@ class ModelRunner:
         state_treedef, weight_stacks = self._state_treedef, self.weight_stacks
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed):
+        def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed, grammar_bitmask):
             inputs: StepInputs = unpack(packed, layout)
             token_ids = jnp.where(
                 inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
@@ -285,8 +286,7 @@ class ModelRunner:
                 metadata,
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh),
             )
-            logits = grammar.masked(model.compute_logits(hidden[inputs.logits_indices]), inputs.sampling,
-                                    inputs.grammar_bitmask)
+            logits = grammar.masked(model.compute_logits(hidden[inputs.logits_indices]), inputs.sampling, grammar_bitmask)
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
             # each sampling row's last input token is its newest output token, maybe not on the host yet
@@ -329,11 +329,24 @@ class ModelRunner:
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
 
+    def _masks_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
+        """A step's token masks: a row per sampling row, 32 tokens a word (sample/grammar.py)."""
+        return jax.ShapeDtypeStruct((bucket.num_reqs, bitmask_words(self.model_config.vocab_size)), jnp.int32)
+
+    def _no_masks(self, bucket: Bucket) -> jax.Array:
+        """The masks of a step without a constrained row, kept on the device: such a step sends none."""
+        masks = self._unused_masks.get(bucket.num_reqs)
+        if masks is None:
+            masks = self._unused_masks[bucket.num_reqs] = self._replicated_zeros(self._masks_struct(bucket).shape)
+        return masks
+
     def packed_size(self, bucket: Bucket) -> int:
         return self.input_layouts[bucket].size
 
-    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"]) -> jax.Array:
-        """Start one step on the packed inputs; its packed result (fully replicated, so any process reads it).
+    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"],
+               grammar_bitmask: Int[np.ndarray, "reqs words"] | None = None) -> jax.Array:
+        """Start one step on the packed inputs (and the constrained rows' token masks, if any row is:
+        sample/grammar.py); its packed result (fully replicated, so any process reads it).
 
         The one place a step is launched: a multi-host leader first sends the step to the workers,
         which then launch the same step on their own devices.
@@ -341,7 +354,8 @@ class ModelRunner:
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
         self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
-            self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed
+            self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed,
+            self._no_masks(bucket) if grammar_bitmask is None else grammar_bitmask,
         )
         return result
 
@@ -455,7 +469,7 @@ class ModelRunner:
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend, name).lower(
                 self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table,
-                self._packed_struct(bucket),
+                self._packed_struct(bucket), self._masks_struct(bucket),
             )
 
     def _kernel_ready(self) -> bool:
@@ -514,7 +528,8 @@ class ModelRunner:
             inputs.attention.seq_lens[0] = 1  # the table's null row and slot mapping 0: the null block
             inputs.attention.query_start_loc[1:] = 1
             self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
-                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
+                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs),
+                self._no_masks(bucket),
             )
             result.block_until_ready()
         self.block_table = self._table_writer()(self.block_table, pack(self._spill_writes()))
@@ -548,7 +563,7 @@ class ModelRunner:
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target, self._on_mesh(mesh):
             return self._step_fn(bucket, backend).trace(
                 *abstract((self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table)),
-                self._packed_struct(bucket),
+                self._packed_struct(bucket), self._masks_struct(bucket),
             ).lower(lowering_platforms=(platform,))
 
     @contextlib.contextmanager
@@ -614,6 +629,7 @@ class ModelRunner:
         logprob_targets = []
         sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
         constrained = []  # (sampling row, its request's grammar)
+        self.step_grammar_bitmask = None
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
@@ -649,8 +665,10 @@ class ModelRunner:
                 constants.append(columns)
                 counters.append(output_index)
         inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, step_rows, bucket.num_reqs, SUPPRESS_LEN))
+        if constrained:
+            self.step_grammar_bitmask = np.zeros(self._masks_struct(bucket).shape, np.int32)
         for k, row_grammar in constrained:  # the tokens its grammar allows next
-            row_grammar.fill_bitmask(inputs.grammar_bitmask, k)
+            row_grammar.fill_bitmask(self.step_grammar_bitmask, k)
         attn = inputs.attention
         for offset, targets in logprob_targets:
             inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
@@ -706,7 +724,7 @@ class ModelRunner:
                 writes = self._spill_writes()
                 self.table.take_writes(writes)
                 self.write_table(pack(writes))
-            result = self.launch(bucket, pack(inputs))
+            result = self.launch(bucket, pack(inputs), self.step_grammar_bitmask)
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
         prepared = self._prepared
         return LaunchedStep(scheduled, bucket, inputs, prepared.sampling_requests, result, prepared.scores_prompt,
