@@ -76,6 +76,10 @@ class EngineCore:
     def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int) -> None:
         """Raise ValueError, saying what to change, for a request this engine cannot serve."""
         check_request(self.limits, prompt_token_ids, params, eos_token_ids, priority)
+        if params.structured_outputs is not None and self.config.num_processes > 1:
+            # The workers launch each step from its packed inputs alone; the masks do not travel to them yet.
+            raise ValueError(f"structured outputs are not supported with num_processes={self.config.num_processes} "
+                             "(multi-host); serve constrained requests from a single-process engine")
 
     def add_requests(self, completions: Sequence[Request]) -> None:
         """Queue the completions of one prompt (n > 1: several; see parallel_sampling.py), checked
