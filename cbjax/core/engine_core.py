@@ -117,7 +117,7 @@ class EngineCore:
             return request
         request = self.structured.withdraw(request_id)  # its grammar still compiling: never scheduled
         if request is not None:
-            request.status = status
+            request.status, request.finished_time = status, self.scheduler.clock()
         return request
 
     def _fail_requests(self) -> None:
@@ -148,7 +148,7 @@ class EngineCore:
         for completions in ready:
             self._queue(completions)
         for request, why in failed:
-            request.status = RequestStatus.FINISHED_ABORTED
+            request.status, request.finished_time = RequestStatus.FINISHED_ABORTED, self.scheduler.clock()
             self.failed.append((request, why))
 
     # ---- the loop -------------------------------------------------------------

@@ -606,6 +606,7 @@ class ModelRunner:
             )
         for request_id in scheduled.preempted_request_ids:  # they recompute from position 0, blocks anew
             self._release_slot(request_id)
+        self.step_grammar_bitmask = None  # (a step that follows the previous one has no constrained row)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         previous = self._prepared
@@ -629,7 +630,6 @@ class ModelRunner:
         logprob_targets = []
         sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
         constrained = []  # (sampling row, its request's grammar)
-        self.step_grammar_bitmask = None
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):

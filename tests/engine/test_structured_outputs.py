@@ -132,3 +132,15 @@ def test_a_constraint_that_does_not_compile_is_refused_alone(llm, constraint, pr
         generate(llm, [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(structured_outputs=constraint)])
     (output,) = generate(llm, [SamplingParams(temperature=0.0, max_tokens=4)])
     assert len(output.outputs[0].token_ids) == 4
+
+
+def test_a_request_aborted_while_its_grammar_compiles_finishes_alone(llm):  # noqa: F811
+    engine = llm.llm_engine
+    engine.add_request("constrained", PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    engine.abort_request("constrained")  # lands before the next step takes the compiled grammar
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((output.request_id, output.outputs[0]) for output in engine.step() if output.finished)
+    assert (finals["constrained"].finish_reason, finals["constrained"].token_ids) == ("abort", [])
+    assert len(finals["plain"].token_ids) == 3
