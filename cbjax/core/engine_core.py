@@ -137,7 +137,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.in_flight is not None
-                or self.structured.num_compiling > 0)
+                or self.structured.is_compiling())
 
     def _queue_compiled(self) -> None:
         """Queue the constrained requests whose grammars are ready; fail those whose compile failed.
@@ -166,7 +166,7 @@ class EngineCore:
             launched, self.in_flight = self.in_flight, None
             self.last_step_num_tokens = 0  # it launched none
             return self._update(launched)
-        if self.structured.num_compiling:
+        if self.structured.is_compiling():
             self._queue_compiled()
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens

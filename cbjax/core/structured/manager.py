@@ -74,14 +74,13 @@ class StructuredOutputManager:
                     return request
         return None
 
-    @property
-    def num_compiling(self) -> int:
-        return sum(not r.is_finished for completions in self._compiling.values() for r in completions)
+    def is_compiling(self) -> bool:
+        """Whether some compile has not been taken yet (its requests may all be aborted already)."""
+        return bool(self._compiling)  # (asked every step: a dict's truth, no scan)
 
     def has_constrained(self) -> bool:
-        """Whether some unfinished request has a grammar (async scheduling waits for its tokens)."""
-        for request in [r for r in self._accepted if r.is_finished]:
-            del self._accepted[request]
+        """Whether some request has a grammar and was unfinished at the last `advance` (which drops
+        the finished ones): async scheduling waits for a constrained row's tokens."""
         return bool(self._accepted)
 
     def advance(self) -> list[Request]:
