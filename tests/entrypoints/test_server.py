@@ -362,8 +362,8 @@ BAD_REQUESTS = [
     # The server's own bounds (tests/entrypoints/test_server_limits.py has the rest).
     ("/v1/completions", {"prompt": "hi", "n": 1_000_000}, 400, ["n=1000000", "--max-completions-per-request"]),
     ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}, 400, ["17", "--max-stop-strings"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     400, ["response_format", "not supported"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "(a"},
+     400, ["guided_regex", "regex constraint does not compile"]),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream=True"]),
 ]
 
