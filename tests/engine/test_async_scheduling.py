@@ -64,10 +64,12 @@ def requests(draw):
     return result
 
 
-def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None) -> dict[str, tuple]:
+def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None,
+          preempted: set[str] | None = None) -> dict[str, tuple]:
     """Run `workload` to the end from an empty prefix cache; each request's final output, in
-    comparable form. A warm cache changes which prompt tokens are computed, and so the last bits
-    of the logprobs: both modes must start from the same state for exact equality to hold."""
+    comparable form (and the ids of those preempted on the way into `preempted`, if given). A warm
+    cache changes which prompt tokens are computed, and so the last bits of the logprobs: both
+    modes must start from the same state for exact equality to hold."""
     assert engine.reset_prefix_cache()
     engine.config.async_scheduling = async_scheduling
     abort_after = {}
@@ -80,6 +82,8 @@ def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None) -> d
             limit = abort_after[output.request_id]
             if output.finished:
                 final[output.request_id] = comparable(output)
+                if preempted is not None and output.metrics.num_preemptions:
+                    preempted.add(output.request_id)
             elif limit is not None and len(output.outputs[0].token_ids) >= limit:
                 engine.abort_request(output.request_id)  # lands while a step for it is in flight
     return final
@@ -210,9 +214,9 @@ def test_constrained_requests_give_the_same_outputs_async_or_not_preempted_or_no
     workload = [(list(range(3 + k, 23 + k)), plain, None) for k in range(2)]  # 12 blocks each of 20: they preempt
     workload += [(list(range(30 + k, 50 + k)), SamplingParams(temperature=1.0, seed=k, max_tokens=28,
                   structured_outputs=StructuredOutputsParams(regex=regex)), None) for k in range(3)]
-    preemptions = engine.scheduler.num_preemptions
-    synchronous = serve(engine, workload, async_scheduling=False)
-    assert engine.scheduler.num_preemptions > preemptions
+    preempted = set()
+    synchronous = serve(engine, workload, async_scheduling=False, preempted=preempted)
+    assert preempted & {"r2", "r3", "r4"}  # a constrained request recomputed its tokens
     COMPILES.armed = True
     try:
         overlapped = serve(engine, workload, async_scheduling=True)
