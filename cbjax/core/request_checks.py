@@ -13,7 +13,6 @@ from typing import Any
 
 from cbjax.arguments import check_int
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
-from cbjax.core.structured.guidance import check_constraint
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,9 @@ def check_request(
             f"at most {limits.max_suppressed_ids} are supported; pass fewer stop_token_ids or min_tokens=0"
         )
     if params.structured_outputs is not None:
+        # Imported by the first constrained request: llguidance and numpy stay out of `import cbjax`.
+        from cbjax.core.structured.guidance import check_constraint
+
         check_constraint(params.structured_outputs)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)

@@ -12,12 +12,14 @@ import concurrent.futures
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from cbjax.core.request import Request
-from cbjax.core.structured.backend import Grammar, StructuredOutputBackend
-from cbjax.core.structured.guidance import GuidanceBackend
+
+if TYPE_CHECKING:  # the backend (llguidance, numpy) is imported by the first compile, not by `import cbjax`
+    from cbjax.core.structured.backend import Grammar, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class StructuredOutputManager:
 
     def _compile(self, completions: Sequence[Request]) -> list[Grammar]:
         if self._backend is None:
+            from cbjax.core.structured.guidance import GuidanceBackend
+
             tokenizer = Tokenizer.from_file(str(self._tokenizer_dir / "tokenizer.json"))
             self._backend = GuidanceBackend(tokenizer, self._vocab_size, completions[0].eos_token_ids)
         params = completions[0].sampling_params.structured_outputs
