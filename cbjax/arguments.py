@@ -13,7 +13,7 @@ class ArgumentTypeError(TypeError, ValueError):
 # vLLM options cbjax does not implement, with vLLM's default (passing the default changes nothing).
 UNSUPPORTED_SAMPLING_OPTIONS = {
     "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "logits_processors": None, "guided_decoding": None, "structured_outputs": None,
+    "logits_processors": None, "guided_decoding": None,
     "truncate_prompt_tokens": None,
 }
 UNSUPPORTED_LLM_OPTIONS = {

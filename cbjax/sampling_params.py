@@ -124,6 +124,8 @@ class SamplingParams:
     # bad_words as token sequences, set by update_from_tokenizer when the engine takes the request (an
     # init field only so that dataclasses.replace, which derives each completion's params, keeps it).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    # A JSON schema, regex, choice or grammar the output must match (vLLM's; guided_decoding= is its older name).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -175,6 +177,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self._validate_stops()
         self._validate_token_lists()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {describe(self.structured_outputs)}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -263,6 +267,11 @@ _UNSUPPORTED = {k: v for k, v in UNSUPPORTED_SAMPLING_OPTIONS.items() if k not i
 
 
 def _init_refusing_unsupported_vllm_options(self, *args, **kwargs) -> None:
+    if kwargs.get("guided_decoding") is not None:  # vLLM's older spelling of structured_outputs
+        if kwargs.get("structured_outputs") is not None:
+            raise ValueError("both structured_outputs and guided_decoding given; pass one (guided_decoding is "
+                             "the older name of structured_outputs)")
+        kwargs["structured_outputs"] = kwargs.pop("guided_decoding")
     reject_unsupported("SamplingParams", kwargs.items(), _UNSUPPORTED)
     _dataclass_init(self, *args, **{k: v for k, v in kwargs.items() if k not in _UNSUPPORTED})
 

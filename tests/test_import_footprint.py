@@ -9,8 +9,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The OpenAI server's stack, orbax (only a first load or `cbjax convert` needs it: later loads map
-# the weights cache) and the test references: none belongs in an offline LLM's process.
-HEAVY = ("fastapi", "uvicorn", "starlette", "prometheus_client", "orbax", "tensorstore", "torch", "transformers")
+# the weights cache), the test references and the grammar engine (a constrained request imports it):
+# none belongs in an offline LLM's process until it is used.
+HEAVY = ("fastapi", "uvicorn", "starlette", "prometheus_client", "orbax", "tensorstore", "torch", "transformers",
+         "llguidance")
 
 
 def test_importing_llm_imports_no_server_or_checkpoint_writer():

@@ -20,7 +20,7 @@ a result, so any engine loop, synchronous or overlapped, is measured as it would
 callbacks synchronously in the calling thread.)
 
 What it relies on in ModelRunner: `buckets`; `compiled[bucket]` called as
-`(weights, *donated_device_state, packed_inputs) -> (*device_state, packed_result)` and the result
+`(weights, *donated_device_state, packed_inputs, grammar_masks) -> (*device_state, packed_result)` and the result
 read with `np.asarray`; `input_layouts[bucket]` / `output_layouts[bucket]`, the PackedLayouts of
 StepInputs (token_ids, positions, logits_indices, sampling.temperature) and StepOutputs
 (sampled.token_ids); and `warm_up()`, which calls every step once.
@@ -121,18 +121,18 @@ class StandInStep:
         self._result_template = np.zeros(out_layout.size, np.int32)
 
     @staticmethod
-    def _step(weights: Any, *state_and_packed: Any) -> tuple[Any, ...]:
-        *state, _ = state_and_packed
+    def _step(weights: Any, *state_and_inputs: Any) -> tuple[Any, ...]:
+        *state, _, _ = state_and_inputs  # (the packed inputs and the grammar masks)
         return tuple(state)  # donated and handed back: no device work
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        if self._compiled is None:  # everything between the weights and the packed inputs is donated state
+        if self._compiled is None:  # everything between the weights and the packed inputs (then the masks) is donated state
             # Compiled ahead, as the runner's steps are: a jax.jit call of uncommitted arrays (the
             # weights) costs about 0.1 ms more per call at SmolLM2's 276 weights, which the engine never pays.
-            donated = tuple(range(1, len(args) - 1))
+            donated = tuple(range(1, len(args) - 2))
             self._compiled = jax.jit(self._step, donate_argnums=donated).lower(*args).compile()
         state = self._compiled(*args)
-        packed = np.asarray(args[-1])
+        packed = np.asarray(args[-2])
         temperatures = packed[self._temperatures].view(np.float32)
         num_sampling_rows = int(np.count_nonzero(temperatures != PADDING_TEMPERATURE))
         # Each sampling row's next token is the text's token after its position: real words.

@@ -20,6 +20,7 @@ from cbjax.core.request import Request, RequestStatus
 from cbjax.core.request_checks import RequestLimits, check_request
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.core.sched.scheduler import Scheduler
+from cbjax.core.structured.manager import StructuredOutputManager
 
 
 class StepRunner(Protocol):
@@ -63,6 +64,8 @@ class EngineCore:
         # What each request is checked against; a front end in another process gets them too.
         self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
                                     runner.max_suppressed_ids, config.scheduling_policy)
+        # Constrained requests' grammars: they wait there while theirs compile, then join the scheduler.
+        self.structured = StructuredOutputManager(config.tokenizer or config.model, model_config.vocab_size)
         self.failed: list[tuple[Request, str]] = []  # requests the runner could not prepare (take_failed)
         self.num_steps = 0
         self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet
@@ -73,10 +76,21 @@ class EngineCore:
     def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int) -> None:
         """Raise ValueError, saying what to change, for a request this engine cannot serve."""
         check_request(self.limits, prompt_token_ids, params, eos_token_ids, priority)
+        if params.structured_outputs is not None and self.config.num_processes > 1:
+            # The workers launch each step from its packed inputs alone; the masks do not travel to them yet.
+            raise ValueError(f"structured outputs are not supported with num_processes={self.config.num_processes} "
+                             "(multi-host); serve constrained requests from a single-process engine")
 
     def add_requests(self, completions: Sequence[Request]) -> None:
         """Queue the completions of one prompt (n > 1: several; see parallel_sampling.py), checked
-        already (check_request). With prefix caching the others wait for the first's prompt blocks."""
+        already (check_request). With prefix caching the others wait for the first's prompt blocks.
+        A constrained prompt's completions are queued once their grammars compile (take_compiled)."""
+        if completions[0].sampling_params.structured_outputs is not None:
+            self.structured.submit(completions)
+            return
+        self._queue(completions)
+
+    def _queue(self, completions: Sequence[Request]) -> None:
         first = completions[0]
         wait_for = first if self._shares_prompt(completions) else None
         for request in completions:
@@ -100,6 +114,10 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, status)
         if request is not None:
             self.runner.release_request(request_id)
+            return request
+        request = self.structured.withdraw(request_id)  # its grammar still compiling: never scheduled
+        if request is not None:
+            request.status, request.finished_time = status, self.scheduler.clock()
         return request
 
     def _fail_requests(self) -> None:
@@ -118,7 +136,20 @@ class EngineCore:
         return failed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self.in_flight is not None
+                or self.structured.is_compiling())
+
+    def _queue_compiled(self) -> None:
+        """Queue the constrained requests whose grammars are ready; fail those whose compile failed.
+        With nothing else to run, wait a little for one instead of spinning."""
+        if not self.scheduler.has_unfinished_requests() and self.in_flight is None:
+            self.structured.wait(timeout=0.05)
+        ready, failed = self.structured.take_compiled()
+        for completions in ready:
+            self._queue(completions)
+        for request, why in failed:
+            request.status, request.finished_time = RequestStatus.FINISHED_ABORTED, self.scheduler.clock()
+            self.failed.append((request, why))
 
     # ---- the loop -------------------------------------------------------------
 
@@ -135,6 +166,8 @@ class EngineCore:
             launched, self.in_flight = self.in_flight, None
             self.last_step_num_tokens = 0  # it launched none
             return self._update(launched)
+        if self.structured.is_compiling():
+            self._queue_compiled()
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_scheduled_tokens
         launched = self.runner.dispatch(scheduled) if scheduled.scheduled else None
@@ -156,6 +189,9 @@ class EngineCore:
                                if not row.request.is_finished and row.request.request_id in prompt_logprobs}
         skipped: list[Request] = []
         finished = self.scheduler.update(scheduled, sampled.token_ids, skipped)
+        if self.structured.has_constrained():
+            for request in self.structured.advance():  # its grammar is complete: it stops, as at eos
+                finished.append(self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED))
         release = self.runner.release_request
         for request in finished:  # now: its slot serves others from the next step
             release(request.request_id)
@@ -171,6 +207,8 @@ class EngineCore:
         it waits for a seat anyway, and overlapping keeps a full server's throughput.
         """
         mode = self.config.async_scheduling
+        if self.structured.has_constrained():  # a constrained row's mask needs the token in flight: none overlaps
+            return False
         if mode is None:
             return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
         return mode

@@ -74,6 +74,9 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     # The stop token id, or the stop string the engine matched.
     stop_reason: int | str | None = field(init=False, default=None)
+    # Its structured-output constraint's state (core/structured/backend.py's Grammar), set once compiled;
+    # the runner fills the row's token mask from it.
+    grammar: Any = field(init=False, default=None)
     first_scheduled_time: float | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
     finished_time: float | None = field(init=False, default=None)

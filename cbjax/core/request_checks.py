@@ -60,6 +60,11 @@ def check_request(
             f"min_tokens={params.min_tokens} would hold back {suppressed} stop and eos token ids; "
             f"at most {limits.max_suppressed_ids} are supported; pass fewer stop_token_ids or min_tokens=0"
         )
+    if params.structured_outputs is not None:
+        # Imported by the first constrained request: llguidance and numpy stay out of `import cbjax`.
+        from cbjax.core.structured.guidance import check_constraint
+
+        check_constraint(params.structured_outputs)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > limits.max_logprobs:

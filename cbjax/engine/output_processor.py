@@ -119,8 +119,8 @@ class OutputProcessor:
             return None
         state.num_detokenized = end
         if (request.status is _FINISHED_STOPPED and not isinstance(request.stop_reason, str)
-                and not params.include_stop_str_in_output):
-            end -= 1  # the last token is the eos or stop token id that ended it
+                and not params.include_stop_str_in_output and _is_stop_token(request, tokens[-1])):
+            end -= 1  # the last token is the eos or stop token id that ended it (not a completed grammar's)
         # `state.text += delta` would copy the whole text every token (in place only for a string
         # nothing else refers to): take it out of state, append, put it back.
         add_token, stops, text, state.text = state.detokenizer.add_token, params.stop, state.text, ""
@@ -224,3 +224,9 @@ def _metrics(children: list[Request]) -> RequestMetrics:
         num_preemptions=sum(child.num_preemptions for child in children),
         num_generation_tokens=sum(child.num_output_tokens for child in children),
     )
+
+
+def _is_stop_token(request: Request, token_id: int) -> bool:
+    """Whether token_id stops the request by itself: an eos (unless ignore_eos) or a stop token id."""
+    params = request.sampling_params
+    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)

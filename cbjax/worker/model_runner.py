@@ -36,11 +36,12 @@ from cbjax.worker.packing import PackedLayout, pack, pack_device, unpack, unpack
 from cbjax.worker.sample.penalty_state import NO_SLOT, init_penalty_state, record_step_tokens
 from cbjax.worker.persistent_batch import PreparedStep, follow, prepared_step, slots
 from cbjax.worker.request_slots import RequestSlots
-from cbjax.worker.sample import bad_words, min_tokens
+from cbjax.worker.sample import bad_words, grammar, min_tokens
 from cbjax.worker.sample.sampler import (RequestColumns, SamplerOutput, SamplingRow, SamplingTensors,
                                         assemble_sampling_tensors, joining_request_columns, request_columns, sample)
 from cbjax.core.outputs import PromptLogprobsChunk, SampledTokens
 from cbjax.core.request import Request
+from cbjax.core.structured.backend import bitmask_words
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
@@ -181,6 +182,10 @@ class ModelRunner:
         self.sampling_constants: dict[str, tuple] = {}
         # (request id, why) of requests whose rows could not be written: the core finishes each alone.
         self.failed_requests: list[tuple[str, str]] = []
+        # The constrained rows' token masks of the step prepare() built last (None: no row is
+        # constrained), and the all-zero masks a step without one is given, by row count.
+        self.step_grammar_bitmask: np.ndarray | None = None
+        self._unused_masks: dict[int, jax.Array] = {}
         self.compiled: dict[Bucket, Any] = {}
         self._write_table: Any = None  # the compiled write_table program (precompile)
         self._warned_on_demand = False  # a step compiled while serving stalls it: say so, once
@@ -262,7 +267,7 @@ class ModelRunner:
         state_treedef, weight_stacks = self._state_treedef, self.weight_stacks
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
 
-        def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed):
+        def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed, grammar_bitmask):
             inputs: StepInputs = unpack(packed, layout)
             token_ids = jnp.where(
                 inputs.token_sources >= 0, last_sampled[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
@@ -282,7 +287,7 @@ class ModelRunner:
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh,
                               self.config.enable_expert_parallel),
             )
-            logits = model.compute_logits(hidden[inputs.logits_indices])
+            logits = grammar.masked(model.compute_logits(hidden[inputs.logits_indices]), inputs.sampling, grammar_bitmask)
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
             # each sampling row's last input token is its newest output token, maybe not on the host yet
@@ -325,11 +330,24 @@ class ModelRunner:
     def _packed_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.packed_size(bucket),), jnp.int32)
 
+    def _masks_struct(self, bucket: Bucket) -> jax.ShapeDtypeStruct:
+        """A step's token masks: a row per sampling row, 32 tokens a word (sample/grammar.py)."""
+        return jax.ShapeDtypeStruct((bucket.num_reqs, bitmask_words(self.model_config.vocab_size)), jnp.int32)
+
+    def _no_masks(self, bucket: Bucket) -> jax.Array:
+        """The masks of a step without a constrained row, kept on the device: such a step sends none."""
+        masks = self._unused_masks.get(bucket.num_reqs)
+        if masks is None:
+            masks = self._unused_masks[bucket.num_reqs] = self._replicated_zeros(self._masks_struct(bucket).shape)
+        return masks
+
     def packed_size(self, bucket: Bucket) -> int:
         return self.input_layouts[bucket].size
 
-    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"]) -> jax.Array:
-        """Start one step on the packed inputs; its packed result (fully replicated, so any process reads it).
+    def launch(self, bucket: Bucket, packed: Int[np.ndarray, "size"],
+               grammar_bitmask: Int[np.ndarray, "reqs words"] | None = None) -> jax.Array:
+        """Start one step on the packed inputs (and the constrained rows' token masks, if any row is:
+        sample/grammar.py); its packed result (fully replicated, so any process reads it).
 
         The one place a step is launched: a multi-host leader first sends the step to the workers,
         which then launch the same step on their own devices.
@@ -337,7 +355,8 @@ class ModelRunner:
         if self.step_broadcast is not None:
             self.step_broadcast.send_step(self._bucket_index[bucket], packed)
         self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = self._executable(bucket)(
-            self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed
+            self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, packed,
+            self._no_masks(bucket) if grammar_bitmask is None else grammar_bitmask,
         )
         return result
 
@@ -451,7 +470,7 @@ class ModelRunner:
         with jax.default_matmul_precision(self.matmul_precision), deferred:  # the precision is read by every dot
             return self._step_fn(bucket, self.backend, name).lower(
                 self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table,
-                self._packed_struct(bucket),
+                self._packed_struct(bucket), self._masks_struct(bucket),
             )
 
     def _kernel_ready(self) -> bool:
@@ -510,7 +529,8 @@ class ModelRunner:
             inputs.attention.seq_lens[0] = 1  # the table's null row and slot mapping 0: the null block
             inputs.attention.query_start_loc[1:] = 1
             self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, result = compiled(
-                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs)
+                self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table, pack(inputs),
+                self._no_masks(bucket),
             )
             result.block_until_ready()
         self.block_table = self._table_writer()(self.block_table, pack(self._spill_writes()))
@@ -544,7 +564,7 @@ class ModelRunner:
         with jax.default_matmul_precision(matmul_precision(self.activation_dtype, platform)), target, self._on_mesh(mesh):
             return self._step_fn(bucket, backend).trace(
                 *abstract((self.step_weights, self.kv_pool, self.penalty_state, self.last_sampled, self.block_table)),
-                self._packed_struct(bucket),
+                self._packed_struct(bucket), self._masks_struct(bucket),
             ).lower(lowering_platforms=(platform,))
 
     @contextlib.contextmanager
@@ -587,6 +607,7 @@ class ModelRunner:
             )
         for request_id in scheduled.preempted_request_ids:  # they recompute from position 0, blocks anew
             self._release_slot(request_id)
+        self.step_grammar_bitmask = None  # (a step that follows the previous one has no constrained row)
         kind = "decode" if scheduled.is_decode_only else "mixed"
         bucket = pick_bucket(self.buckets, kind, scheduled.num_scheduled_tokens, len(rows))
         previous = self._prepared
@@ -609,6 +630,7 @@ class ModelRunner:
         row_slots, row_penalty_slots, row_prompt_lens = [0] * num_rows, [NO_SLOT] * num_rows, [0] * num_rows
         logprob_targets = []
         sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
+        constrained = []  # (sampling row, its request's grammar)
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
@@ -638,10 +660,16 @@ class ModelRunner:
                     step_rows[len(constants)] = SamplingRow(
                         params, 0, output_index, min_tokens.suppressed_ids(params, output_index, request.eos_token_ids),
                         output_token_ids=request.output_token_ids)
+                if request.grammar is not None:
+                    constrained.append((len(constants), request.grammar))
                 sampling_rows.append(request)
                 constants.append(columns)
                 counters.append(output_index)
         inputs = self._host_inputs(bucket, assemble_sampling_tensors(constants, counters, step_rows, bucket.num_reqs, SUPPRESS_LEN))
+        if constrained:
+            self.step_grammar_bitmask = np.zeros(self._masks_struct(bucket).shape, np.int32)
+        for k, row_grammar in constrained:  # the tokens its grammar allows next
+            row_grammar.fill_bitmask(self.step_grammar_bitmask, k)
         attn = inputs.attention
         for offset, targets in logprob_targets:
             inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
@@ -697,7 +725,7 @@ class ModelRunner:
                 writes = self._spill_writes()
                 self.table.take_writes(writes)
                 self.write_table(pack(writes))
-            result = self.launch(bucket, pack(inputs))
+            result = self.launch(bucket, pack(inputs), self.step_grammar_bitmask)
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
         prepared = self._prepared
         return LaunchedStep(scheduled, bucket, inputs, prepared.sampling_requests, result, prepared.scores_prompt,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from cbjax import SamplingParams
 from cbjax.entrypoints.cli.args import add_engine_args, engine_options
 from cbjax.config import EngineConfig
 from cbjax.engine.llm_engine import LLMEngine
+from cbjax.sampling_params import StructuredOutputsParams
 
 EOS_TOKEN_IDS = [2, 229]  # 229 is among the tiny model's likely tokens: requests really end on EOS
 MAX_MODEL_LEN = 48
@@ -62,10 +64,12 @@ def requests(draw):
     return result
 
 
-def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None) -> dict[str, tuple]:
+def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None,
+          preempted: set[str] | None = None) -> dict[str, tuple]:
     """Run `workload` to the end from an empty prefix cache; each request's final output, in
-    comparable form. A warm cache changes which prompt tokens are computed, and so the last bits
-    of the logprobs: both modes must start from the same state for exact equality to hold."""
+    comparable form (and the ids of those preempted on the way into `preempted`, if given). A warm
+    cache changes which prompt tokens are computed, and so the last bits of the logprobs: both
+    modes must start from the same state for exact equality to hold."""
     assert engine.reset_prefix_cache()
     engine.config.async_scheduling = async_scheduling
     abort_after = {}
@@ -78,6 +82,8 @@ def serve(engine: LLMEngine, workload: list, async_scheduling: bool | None) -> d
             limit = abort_after[output.request_id]
             if output.finished:
                 final[output.request_id] = comparable(output)
+                if preempted is not None and output.metrics.num_preemptions:
+                    preempted.add(output.request_id)
             elif limit is not None and len(output.outputs[0].token_ids) >= limit:
                 engine.abort_request(output.request_id)  # lands while a step for it is in flight
     return final
@@ -197,6 +203,32 @@ def test_stop_found_a_step_late_shows_no_extra_token(engine):
     assert stopped.metrics.num_generation_tokens == 3
     assert math.isfinite(stopped.metrics.e2e_latency)
     assert_all_released(engine)
+
+
+def test_constrained_requests_give_the_same_outputs_async_or_not_preempted_or_not(engine):
+    """A constrained row's mask needs the token in flight: while a constrained request runs the
+    engine reads each step before it schedules the next, so async scheduling changes no output; a
+    preempted constrained request recomputes its tokens and goes on from where its grammar stood."""
+    regex = "[a-e]{10,25}"
+    plain = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    workload = [(list(range(3 + k, 23 + k)), plain, None) for k in range(2)]  # 12 blocks each of 20: they preempt
+    workload += [(list(range(30 + k, 50 + k)), SamplingParams(temperature=1.0, seed=k, max_tokens=28,
+                  structured_outputs=StructuredOutputsParams(regex=regex)), None) for k in range(3)]
+    preempted = set()
+    synchronous = serve(engine, workload, async_scheduling=False, preempted=preempted)
+    assert preempted & {"r2", "r3", "r4"}  # a constrained request recomputed its tokens
+    COMPILES.armed = True
+    try:
+        overlapped = serve(engine, workload, async_scheduling=True)
+    finally:
+        COMPILES.armed = False
+        engine.config.async_scheduling = True
+    assert_all_released(engine)
+    assert COMPILES.count == 0
+    assert_same_outputs(overlapped, synchronous)
+    for request_id in ("r2", "r3", "r4"):
+        (token_ids, text, finish_reason, *_), = synchronous[request_id][0]
+        assert finish_reason == "stop" and re.fullmatch(regex, text), text
 
 
 def test_async_scheduling_flags_follow_vllm():

@@ -1,8 +1,11 @@
 """logit_bias, allowed_token_ids and bad_words end to end on the tiny model: greedy with a bias
 equals transformers' greedy on the biased logits, allowed ids bound every token, a bad word that
-the plain request produces never appears, and a mixed workload compiles nothing while serving."""
+the plain request produces never appears, and a mixed workload (a constrained request too) compiles
+nothing while serving."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from helpers_hf import load_hf_model
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
+from cbjax.sampling_params import StructuredOutputsParams
 
 NUM_TOKENS = 12
 
@@ -99,7 +103,7 @@ def test_a_bad_word_the_plain_request_produces_never_appears(llm):
 
 
 def test_mixed_workload_with_the_new_fields_compiles_nothing_while_serving(llm):
-    prompts = random_prompts(14, [4, 30, 9, 50, 2, 21])
+    prompts = random_prompts(14, [4, 30, 9, 50, 2, 21, 6])
     params = [
         greedy(logit_bias={7: 3.0, 8: -2.0}),
         SamplingParams(temperature=0.9, top_k=20, seed=1, max_tokens=9, allowed_token_ids=[3, 4, 5, 6]),
@@ -107,6 +111,7 @@ def test_mixed_workload_with_the_new_fields_compiles_nothing_while_serving(llm):
         SamplingParams(temperature=0.7, presence_penalty=0.4, max_tokens=7, logit_bias={9: 1.0}, bad_words=["fox"]),
         greedy(min_tokens=3, allowed_token_ids=[2, 10, 11], logprobs=2),
         greedy(),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=9, structured_outputs=StructuredOutputsParams(regex="[a-c]{2,5}")),
     ]
     COMPILES.armed = True
     try:
@@ -115,6 +120,7 @@ def test_mixed_workload_with_the_new_fields_compiles_nothing_while_serving(llm):
         COMPILES.armed = False
     assert COMPILES.count == 0
     assert set(outs[1]) <= {3, 4, 5, 6} and set(outs[4]) <= {2, 10, 11}
+    assert re.fullmatch("[a-c]{2,5}", llm.get_tokenizer().decode(outs[6]))
 
 
 def test_out_of_vocabulary_ids_are_refused_when_the_request_is_added(llm):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -104,6 +106,82 @@ def test_logit_bias_through_the_openai_client(client, decode):
     assert response.choices[0].text == decode([17] * GREEDY["max_tokens"])
     with pytest.raises(openai.BadRequestError, match=r"\[4000\] in logit_bias are outside the vocabulary"):
         client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY, logit_bias={"4000": 1})
+
+
+OBJECT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "level"],
+                 "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}}}
+
+
+def test_output_constraints_through_the_openai_client(client):
+    """response_format (json_schema) on chat, vLLM's guided_regex and structured_outputs on completions
+    and a streamed chat: each output matches its constraint."""
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "level", "schema": OBJECT_SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), OBJECT_SCHEMA)
+    assert chat.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0.0,
+                                           extra_body={"guided_regex": "[0-9]{2}-[a-c]{2}"})
+    assert re.fullmatch("[0-9]{2}-[a-c]{2}", completion.choices[0].text)
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0.0,
+                                           extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert completion.choices[0].text in ("yes", "no")
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                            temperature=1.0, seed=2, stream=True,
+                                            extra_body={"guided_choice": ["alpha", "beta"]})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("alpha", "beta")
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"$ref": "#/$defs/unit"}},
+           "$defs": {"unit": {"enum": ["C", "F"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": OBJECT_SCHEMA}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": OBJECT_SCHEMA}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_parse_and_validate(client, tool_choice, stream):
+    """tool_choice "required" and a named function are forced by a grammar built from the tools'
+    schemas ($ref included): the calls the openai client assembles validate against them."""
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                              tools=TOOLS, tool_choice=tool_choice, max_tokens=100, temperature=1.0,
+                                              seed=6, stream=stream)  # (random weights: seed 6 closes the array in time)
+    if stream:
+        calls, finish = {}, None
+        for chunk in response:
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+        calls = list(calls.values())
+    else:
+        message, finish = response.choices[0].message, response.choices[0].finish_reason
+        assert message.content is None
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert finish == "tool_calls" and calls
+    if isinstance(tool_choice, dict):
+        assert [call["name"] for call in calls] == ["get_time"]
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "json constraint does not compile"),
+    ({"guided_regex": "(a"}, "guided_regex", "regex constraint does not compile"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_json", "guided_json, guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one constraint"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+])
+def test_a_bad_constraint_is_a_400_naming_its_field(client, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, extra_body=extra)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"], error
 
 
 def test_streamed_completion_joins_to_the_non_streamed_text(client):
@@ -284,8 +362,8 @@ BAD_REQUESTS = [
     # The server's own bounds (tests/entrypoints/test_server_limits.py has the rest).
     ("/v1/completions", {"prompt": "hi", "n": 1_000_000}, 400, ["n=1000000", "--max-completions-per-request"]),
     ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}, 400, ["17", "--max-stop-strings"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     400, ["response_format", "not supported"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "(a"},
+     400, ["guided_regex", "regex constraint does not compile"]),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream=True"]),
 ]
 

@@ -305,9 +305,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 @pytest.mark.parametrize("path, extra, names", [
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, ["functions"]),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, ["response_format"]),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, ["guided_json", "guided_regex"]),
-    ("/v1/chat/completions", {"structured_outputs": {"choice": ["a"]}}, ["structured_outputs"]),
+    ("/v1/chat/completions", {"structural_tag": {"type": "structural_tag"}}, ["structural_tag"]),
     ("/v1/completions", {"suffix": "end"}, ["suffix"]),
     ("/v1/completions", {"best_of": 3, "use_beam_search": True}, ["best_of", "use_beam_search"]),
     ("/v1/completions", {"prompt_logprobs": 1}, ["prompt_logprobs"]),

@@ -134,7 +134,6 @@ def test_earlier_calls_and_tool_answers_reach_the_template_as_transformers_passe
 
 @pytest.mark.parametrize(("choice", "parser", "message"), [
     ("auto", None, "--enable-auto-tool-choice"),
-    ("required", HERMES, "forces a call with a grammar"),
     ({"type": "function", "function": {"name": "fly"}}, HERMES, "'fly', which is not among the tools sent"),
 ])
 def test_tool_choices_this_server_cannot_honour_are_refused_by_name(choice, parser, message):
@@ -145,3 +144,19 @@ def test_tool_choices_this_server_cannot_honour_are_refused_by_name(choice, pars
         chat.offered_tools(SimpleNamespace(tool_parser=parser), body)
     none = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none")
     assert chat.offered_tools(SimpleNamespace(tool_parser=parser), none) is None  # "none": the template sees no tools
+
+
+def test_forced_tool_choice_reads_calls_back_and_refuses_clashing_defs():
+    """tool_choice "required": the reply is the calls' JSON array (a cut one stays content); tools
+    whose $defs clash cannot share the one schema "required" builds: a 400 naming tools."""
+    from cbjax.entrypoints.openai.errors import APIError
+    from cbjax.entrypoints.openai.forced_tools import RequiredToolCalls, forced_tool_choice
+
+    content, calls = RequiredToolCalls().parse('[{"name": "now", "parameters": {}}, {"name": "f", "parameters": {"a": 1}}]')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {}), ("f", {"a": 1})]
+    assert RequiredToolCalls().parse('[{"name": "now", "param') == ('[{"name": "now", "param', [])
+    clash = [ChatCompletionRequest(messages=[], tools=[
+        {"type": "function", "function": {"name": name, "parameters": {"$defs": {"u": {"enum": [name]}}}}}
+        for name in ("a", "b")]).tools]
+    with pytest.raises(APIError, match="tools define \\$defs 'u' twice"):
+        forced_tool_choice(clash[0], "required")

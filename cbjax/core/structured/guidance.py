@@ -37,6 +37,14 @@ def _escape_regex(text: str) -> str:
     return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text)
 
 
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """ValueError naming the problem if params' constraint does not compile (no tokenizer needed: the
+    engine checks it when it takes the request, before compiling it off the loop)."""
+    error = llguidance.LLMatcher.validate_grammar(_cached_grammar_text(params), None)
+    if error:
+        raise ValueError(f"the {params.kind} constraint does not compile: {error}; fix the {params.kind}")
+
+
 class GuidanceGrammar(Grammar):
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ from fastapi.responses import Response
 
 from cbjax.entrypoints.openai import serving
 from cbjax.entrypoints.openai.errors import APIError
+from cbjax.entrypoints.openai.forced_tools import forced_tool_choice
 from cbjax.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -47,10 +49,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     max_tokens = serving.check_context_length(state, len(prompt["prompt_token_ids"]),
                                       body.max_completion_tokens or body.max_tokens)
     params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    tool_parser = state.tool_parser if tools else None  # tools offered: the parser reads the calls back
+    forced = forced_tool_choice(body.tools, body.tool_choice) if tools else None
+    if forced is not None:  # the reply is a call, by a grammar; its parser reads it back
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} constrains the reply to a call, so it takes no "
+                                "response_format or other output constraint; drop one", "tool_choice")
+        params, tool_parser = dataclasses.replace(params, structured_outputs=forced[0]), forced[1]
     serving.check_engine_request(state, [prompt], [params], body.priority)
     request_id = random_id("chatcmpl")
     outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority)
-    tool_parser = state.tool_parser if tools else None  # tools offered: the parser reads the calls back
     if body.stream:
         return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs, tool_parser),
                               outputs)
@@ -61,7 +69,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 def offered_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None:
     """The tools the chat template shows the model, as vLLM decides: none for tool_choice "none";
     "auto" (the default with tools) needs a tool-call parser to read the calls back; "required" and a
-    named function need a grammar to force a call, which this server does not have yet."""
+    named function are forced by a grammar (forced_tools.py)."""
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
     if choice != "none" and not body.tools:
         raise APIError(400, f"tool_choice={choice!r} needs tools; send the tools the model may call", "tool_choice")
@@ -70,10 +78,6 @@ def offered_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]
         if name not in {tool.function.name for tool in body.tools}:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools sent "
                                 f"({', '.join(tool.function.name for tool in body.tools)})", "tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise APIError(400, "tool_choice 'required' or a named function forces a call with a grammar, which this "
-                            "server does not implement yet; use tool_choice 'auto' (with --enable-auto-tool-choice)",
-                       "tool_choice")
     if choice == "auto" and state.tool_parser is None:
         raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
                             "--tool-call-parser NAME (the model's tool-call format); or send tool_choice \"none\"",

@@ -33,15 +33,9 @@ class RequestModel(OpenAIModel):
     unsupported_fields: ClassVar[dict[str, tuple]] = {}  # field -> the values that ask for nothing
 
 
-# Structured output, tool calling, beam search, prompt logprobs and vLLM's extension points: none
-# is implemented, so a request that asks for one is refused rather than answered without it.
+# Structural tags, beam search, prompt logprobs and vLLM's extension points: none is implemented,
+# so a request that asks for one is refused rather than answered without it.
 UNSUPPORTED_SAMPLING_FIELDS: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "structural_tag": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -102,6 +96,14 @@ class SamplingFields(RequestModel):
     logit_bias: Annotated[dict[str, float], FAIL_FAST] | None = None
     allowed_token_ids: IntList | None = None  # vLLM's extra field
     bad_words: StrList | None = None  # vLLM's extra field
+    # An output constraint (structured.py): OpenAI's response_format, or vLLM's structured_outputs
+    # object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: StrList | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

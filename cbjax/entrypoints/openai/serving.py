@@ -22,6 +22,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.errors import APIError, error_json, short_repr
 from cbjax.entrypoints.openai.protocol import RequestModel, SamplingFields, UsageInfo
 from cbjax.entrypoints.openai.reasoning import ThinkingParser
+from cbjax.entrypoints.openai.structured import structured_outputs
 from cbjax.entrypoints.openai.tool_parsers import ToolParser
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
@@ -176,6 +177,7 @@ def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | N
         logit_bias=logit_bias(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
+        structured_outputs=structured_outputs(request),
     )
 
 

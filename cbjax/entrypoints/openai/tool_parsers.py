@@ -27,7 +27,8 @@ class ToolCall:
     id: str
 
 
-def _call(obj: object) -> ToolCall | None:
+def tool_call(obj: object) -> ToolCall | None:
+    """The call a parsed {"name": ..., "arguments" | "parameters": {...}} writes; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -53,7 +54,7 @@ class HermesParser:
         calls = []
         for body in self._CALL.findall(text):
             try:
-                call = _call(json.loads(body))
+                call = tool_call(json.loads(body))
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -86,7 +87,7 @@ class Llama3JsonParser:
                 obj, end = decoder.raw_decode(body, position)
             except json.JSONDecodeError:
                 return text or None, []
-            call = _call(obj)
+            call = tool_call(obj)
             if call is None:
                 return text or None, []
             calls.append(call)

@@ -149,10 +149,10 @@ class TensorParallel:
 
 def step_shardings(tensor_parallel: TensorParallel, weights: list[jax.Array]) -> dict[str, tuple]:
     """jax.jit's in/out shardings of a step (weights, kv_pool, penalty_state, last_sampled, block_table,
-    packed) -> (kv_pool, penalty_state, last_sampled, block_table, packed); the penalty state is whole
-    on every device, as the sampler reads it, and so is the block table."""
+    packed, grammar_bitmask) -> (kv_pool, penalty_state, last_sampled, block_table, packed); the penalty
+    state is whole on every device, as the sampler reads it, and so are the block table and the masks."""
     pool, replicated = tensor_parallel.pool_sharding, tensor_parallel.replicated
     return {
-        "in_shardings": ([w.sharding for w in weights], pool, replicated, replicated, replicated, replicated),
+        "in_shardings": ([w.sharding for w in weights], pool, replicated, replicated, replicated, replicated, replicated),
         "out_shardings": (pool, replicated, replicated, replicated, replicated),
     }

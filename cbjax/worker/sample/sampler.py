@@ -25,8 +25,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from cbjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from cbjax.worker.sample import (allowed_token_ids, bad_words, logit_bias, min_p, min_tokens, penalties, temperature,
-                                 top_k_top_p)
+from cbjax.worker.sample import (allowed_token_ids, bad_words, grammar, logit_bias, min_p, min_tokens, penalties,
+                                 temperature, top_k_top_p)
 from cbjax.worker.sample.logprobs import TokenLogprobs, gather_logprobs, no_logprobs
 from cbjax.worker.sample.penalty_state import NO_SLOT, PenaltyState
 from cbjax.worker.sample.stage import Column, Stage, left_aligned
@@ -45,9 +45,12 @@ DRAW_COLUMNS = (
     Column("wants_logprobs", np.int32, 0, lambda row: int(row.params.logprobs is not None)),  # 1: asked
 )
 COUNTERS = Column("counters", np.int32, 0, lambda row: row.counter, per_step=True)  # output index sampled now
-COLUMNS: tuple[Column, ...] = (*(c for s in LOGITS_STAGES + RANDOM_STAGES for c in s.columns), *DRAW_COLUMNS, COUNTERS)
-# Stages whose columns change from step to step: a step using one is built row by row (persistent_batch.py).
-PER_STEP_STAGES = tuple(stage for stage in LOGITS_STAGES + RANDOM_STAGES if stage.per_step)
+# The grammar's stage runs in the step before `sample` (grammar.py says why); its column is declared here too.
+COLUMNS: tuple[Column, ...] = (*(c for s in LOGITS_STAGES + RANDOM_STAGES + (grammar.STAGE,) for c in s.columns),
+                               *DRAW_COLUMNS, COUNTERS)
+# Stages whose inputs change from step to step (their columns, or the grammar's masks): a step using
+# one is built row by row (persistent_batch.py).
+PER_STEP_STAGES = (*(stage for stage in LOGITS_STAGES + RANDOM_STAGES if stage.per_step), grammar.STAGE)
 
 _SCALAR_CONSTANTS = tuple(c for c in COLUMNS if not c.per_step and c.width is None)
 _WIDE_CONSTANTS = tuple(c for c in COLUMNS if not c.per_step and c.width is not None)
