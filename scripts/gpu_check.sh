@@ -73,7 +73,7 @@ if want throughput; then
 phase "engine throughput, random Llama-3.2-1B-shaped weights, Pallas vs XLA attention"
 if [ -f .gpu_carry/tokenizer/tokenizer.json ]; then
   timeout $(left 40) python3 benchmarks/random_hf_model.py --shape llama-3.2-1b --tokenizer-dir .gpu_carry/tokenizer --out /tmp/random-1b
-  for backend in pallas xla; do
+  for backend in ${GPU_CHECK_THROUGHPUT_BACKENDS:-pallas xla}; do
     timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b --attention-backend "$backend" \
       --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
       --max-model-len 1024 --result-json "$out/throughput_$backend.json" 2>&1 | grep -v "it/s\]" | tail -4
