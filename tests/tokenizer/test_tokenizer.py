@@ -248,3 +248,42 @@ def test_from_dir_reads_transformers_side_files(tiny, tmp_path):
     assert ours.token_id("eos_token") == reference.eos_token_id == 2
     conversation = CONVERSATIONS[1]
     assert ours.apply_chat_template(conversation) == reference.apply_chat_template(conversation, tokenize=False)
+
+
+# Gemma 3's chat template as google/gemma-3-*-it's tokenizer_config.json carries it: the system prompt folded
+# into the first user turn, "assistant" spelled "model", list contents, and a raised error on bad alternation.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+
+def test_gemma3_chat_template_renders_as_transformers_renders_it(tiny, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((tiny[1] / name).read_text())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text()) | {"chat_template": GEMMA3_CHAT_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, reference = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    listed = [{"role": "user", "content": [{"type": "text", "text": "  Describe it. "}]}]
+    for conversation in [*CONVERSATIONS, listed]:
+        for add_generation_prompt in (True, False):
+            expected = reference.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+            assert ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
+    assert "<start_of_turn>user\nBe brief.\n\nHi 👋<end_of_turn>\n<start_of_turn>model\n" in ours.apply_chat_template(CONVERSATIONS[1])
+    with pytest.raises(Exception, match="roles must alternate"):
+        ours.apply_chat_template([{"role": "assistant", "content": "first"}])
