@@ -51,7 +51,7 @@ INVALID_BODIES = [
     ({"prompt": []}, {400}),
     ({"prompt": ["x"] * 64, "n": 4}, {400}),
     ({"prompt": "x", "stop": ["a"] * 100}, {400}),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, {400}),
+    ({"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a+"}, {400}),  # two constraints
     ({"prompt": "x", "stream_options": {"include_usage": True}}, {400}),
     ({"messages": []}, {400}),
     ({"messages": [{"role": "user"}], "max_tokens": "many"}, {400}),

@@ -180,10 +180,10 @@ def test_every_step_lowers_for_cuda_from_abstract_weights_with_megatron_sharding
     # split over KV heads. Besides: the LM head by columns (vocabulary), the embedding by rows
     # (vocabulary); the 2 norms of each layer and the final norm, replicated, travel as one [5, hidden]
     # stack (weight_stacks.py); the packed inputs and the previous step's sampled tokens (async
-    # scheduling) replicated, the penalty table's two [seqs, vocab] arrays and the block table
-    # (block_table.py) replicated.
+    # scheduling) replicated, the penalty table's two [seqs, vocab] arrays, the block table
+    # (block_table.py) and the structured-output token masks [seqs, vocab / 32] (sample/grammar.py) replicated.
     want = {'[{}, {"model"}]': 2 * 5 + 1, '[{"model"}, {}]': 2 * 2 + 1, "[{}]": 1 + 1,
-            '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1}
+            '[{"model"}, {}, {}, {}]': 2, "[{}, {}]": 1 + 2 + 1 + 1}
     assert all(shardings == want for shardings in run["shardings"])
 
 
