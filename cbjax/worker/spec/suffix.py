@@ -1,0 +1,103 @@
+"""Suffix-decoding proposer (Snowflake's SuffixDecoding, vLLM's method "suffix"): drafts from a trie of
+the request's own prompt+output and a global trie of earlier finished requests' outputs."""
+
+from collections import OrderedDict
+
+import numpy as np
+
+from cbjax.worker.spec.suffix_tree import Draft, SuffixTrie
+
+
+class SuffixProposer:
+    """Per-request tries fed incrementally (start_request / extend / finish_request), one global trie
+    over the outputs of the last `max_cached_requests` finished requests (oldest evicted first).
+
+    A draft is taken from both tries (SuffixTrie.speculate); the one with the higher score, i.e. the
+    larger expected number of accepted tokens, wins, the request's own trie on ties (arctic-inference's
+    rule). Option names and defaults are vLLM's speculative_config ones."""
+
+    def __init__(self, num_speculative_tokens: int | None = None, suffix_decoding_max_tree_depth: int = 24,
+                 suffix_decoding_max_cached_requests: int = 10000,
+                 suffix_decoding_max_spec_factor: float = 1.0,
+                 suffix_decoding_min_token_prob: float = 0.1):
+        # vLLM: num_speculative_tokens defaults to the tree depth for suffix decoding
+        k = suffix_decoding_max_tree_depth if num_speculative_tokens is None else num_speculative_tokens
+        if k < 1:
+            raise ValueError(
+                f"num_speculative_tokens={k} must be >= 1 for suffix speculation; set it in "
+                f"speculative_config")
+        if suffix_decoding_max_cached_requests < 0:
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests={suffix_decoding_max_cached_requests} must be >= 0 "
+                f"(0 turns the global cache off)")
+        if suffix_decoding_max_spec_factor <= 0:
+            raise ValueError(
+                f"suffix_decoding_max_spec_factor={suffix_decoding_max_spec_factor} must be > 0; it caps "
+                f"the draft at factor * matched length")
+        if not 0.0 <= suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError(
+                f"suffix_decoding_min_token_prob={suffix_decoding_min_token_prob} must be in [0, 1]")
+        self.k = k
+        self.max_depth = suffix_decoding_max_tree_depth
+        self.max_cached_requests = suffix_decoding_max_cached_requests
+        self.max_spec_factor = suffix_decoding_max_spec_factor
+        self.min_token_prob = suffix_decoding_min_token_prob
+        self.global_trie = SuffixTrie(self.max_depth)
+        self.cached_outputs: OrderedDict[object, np.ndarray] = OrderedDict()  # oldest first
+        self._request_tries: dict[object, SuffixTrie] = {}
+        self._contexts: dict[object, list[int]] = {}  # the last max_depth tokens: all a match can use
+        self._outputs: dict[object, list[int]] = {}
+
+    def start_request(self, request_id, prompt_token_ids) -> None:
+        """Builds the request's trie over its prompt [num_prompt_tokens]."""
+        if request_id in self._request_tries:
+            raise ValueError(f"request {request_id!r} already started; finish_request it first")
+        self._request_tries[request_id] = SuffixTrie(self.max_depth)
+        self._contexts[request_id] = []
+        self._outputs[request_id] = []
+        self._append(request_id, prompt_token_ids)
+
+    def extend(self, request_id, new_token_ids) -> None:
+        """Appends the request's newly generated tokens [n]; O(max_depth) per token."""
+        self._outputs[request_id].extend(np.asarray(new_token_ids, dtype=np.int64).tolist())
+        self._append(request_id, new_token_ids)
+
+    def finish_request(self, request_id) -> None:
+        """Drops the request's trie and moves its output into the global cache."""
+        del self._request_tries[request_id], self._contexts[request_id]
+        output = np.asarray(self._outputs.pop(request_id), dtype=np.int64)
+        if self.max_cached_requests == 0 or output.size == 0:
+            return
+        if request_id in self.cached_outputs:  # a reused id: its older output goes first
+            self.global_trie.remove(self.cached_outputs.pop(request_id))
+        self.global_trie.extend(request_id, output)
+        self.global_trie.close(request_id)
+        self.cached_outputs[request_id] = output
+        while len(self.cached_outputs) > self.max_cached_requests:
+            _, evicted = self.cached_outputs.popitem(last=False)
+            self.global_trie.remove(evicted)
+
+    def propose_request(self, request_id) -> np.ndarray:
+        """draft: [<= k] int32 for a started request; empty when neither trie matches."""
+        return self._best_draft(self._request_tries[request_id], self._contexts[request_id])
+
+    def propose(self, token_ids: np.ndarray) -> np.ndarray:
+        """The stateless Proposer form: token_ids [num_tokens] -> draft [<= k] int32, building the
+        request trie from scratch (O(num_tokens * max_depth); the engine uses propose_request)."""
+        request_trie = SuffixTrie(self.max_depth)
+        request_trie.extend(None, token_ids)
+        context = np.asarray(token_ids, dtype=np.int64)[-self.max_depth:].tolist()
+        return self._best_draft(request_trie, context)
+
+    def _append(self, request_id, token_ids) -> None:
+        self._request_tries[request_id].extend(request_id, token_ids)
+        context = self._contexts[request_id]
+        context.extend(np.asarray(token_ids, dtype=np.int64).tolist())
+        del context[:-self.max_depth]
+
+    def _best_draft(self, request_trie: SuffixTrie, context: list[int]) -> np.ndarray:
+        args = (context, self.k, self.max_spec_factor, self.min_token_prob)
+        own: Draft = request_trie.speculate(*args)
+        cached: Draft = self.global_trie.speculate(*args)
+        best = cached if cached.score > own.score else own
+        return np.asarray(best.token_ids, dtype=np.int32)
