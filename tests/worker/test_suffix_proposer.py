@@ -10,13 +10,18 @@ from cbjax.worker.spec.suffix_tree import SuffixTrie
 
 
 def trie_counts(trie):
-    # substring (tuple) -> count, read off the trie
+    # substring (tuple) -> count, read off the trie; a tail spells out once-seen substrings
     out, stack = {}, [((), trie.root)]
     while stack:
         prefix, node = stack.pop()
         for token, child in node.children.items():
             out[prefix + (token,)] = child.count
             stack.append((prefix + (token,), child))
+        for token, (seq_id, next_pos) in node.tails.items():
+            substring = prefix + (token,)
+            rest = trie.sequences[seq_id][next_pos:next_pos + trie.max_depth - len(substring)]
+            for end in range(len(substring), len(substring) + len(rest) + 1):
+                out[(substring + tuple(rest))[:end]] = 1
     return out
 
 
@@ -105,7 +110,7 @@ def test_global_cache_proposes_an_earlier_requests_output():
 def test_eviction_drops_the_oldest_request_past_max_cached_requests():
     outputs = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     p = proposer_with_cache(outputs, suffix_decoding_max_cached_requests=2)
-    assert list(p.cached_outputs) == ["done1", "done2"]
+    assert list(p.cached_request_ids) == ["done1", "done2"]
     assert trie_counts(p.global_trie) == substring_counts(outputs[1:], 24)
     assert draft_for(p, [1, 2]) == []
     assert draft_for(p, [4, 5]) == [6]
@@ -119,30 +124,69 @@ def test_depth_bound_limits_match_plus_draft():
     assert draft_for(deep, tokens) == [6, 7, 8, 9, 10, 1, 2, 3, 4, 5][:24 - 5]
 
 
+def reference_draft(counts, context, k, factor, min_prob, depth):
+    # the draft rule on brute-force substring counts: best score over match lengths, longer on ties
+    best, best_score = [], 0.0
+    for m in range(1, min(len(context), depth - 1) + 1):
+        node = tuple(context[-m:])
+        if node not in counts:
+            break
+        draft, prob, score = [], 1.0, 0.0
+        while len(draft) < min(k, int(factor * m + 1e-6), depth - m):
+            children = {s[-1]: c for s, c in counts.items() if len(s) == len(node) + 1 and s[:-1] == node}
+            if not children:
+                break
+            token = max(children, key=lambda t: (children[t], -t))
+            prob *= children[token] / counts[node]
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            node += (token,)
+        if draft and score >= best_score:
+            best, best_score = draft, score
+    return best
+
+
 sequences = st.lists(st.integers(0, 3), min_size=1, max_size=30)
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=sequences, cuts=st.lists(st.integers(0, 30), max_size=4), depth=st.integers(2, 6))
-def test_incremental_extend_equals_rebuild(tokens, cuts, depth):
-    pieces = np.split(np.array(tokens), sorted(c for c in cuts if c <= len(tokens)))
-    incremental, rebuilt = SuffixTrie(depth), SuffixTrie(depth)
-    for piece in pieces:
-        incremental.extend("r", piece)
-    rebuilt.extend("r", tokens)
-    assert trie_counts(incremental) == trie_counts(rebuilt) == substring_counts([tokens], depth)
+@given(seqs=st.lists(sequences, min_size=1, max_size=3), chunk=st.integers(1, 7), depth=st.integers(2, 6))
+def test_incremental_extend_equals_substring_counts(seqs, chunk, depth):
+    # the sequences grow interleaved, a few tokens at a time, as requests do
+    trie = SuffixTrie(depth)
+    for offset in range(0, max(map(len, seqs)), chunk):
+        for seq_id, seq in enumerate(seqs):
+            trie.extend(seq_id, seq[offset:offset + chunk])
+    assert trie_counts(trie) == substring_counts(seqs, depth)
+    assert trie.root.count == sum(map(len, seqs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(sequences, min_size=2, max_size=3), depth=st.integers(2, 6),
+       context=st.lists(st.integers(0, 3), min_size=1, max_size=8), k=st.integers(1, 6),
+       factor=st.sampled_from([0.5, 1.0, 2.5]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+def test_speculate_equals_the_rule_on_substring_counts(seqs, depth, context, k, factor, min_prob):
+    trie = SuffixTrie(depth)
+    for seq_id, seq in enumerate(seqs):
+        trie.extend(seq_id, seq)
+    expected = reference_draft(substring_counts(seqs, depth), context, k, factor, min_prob, depth)
+    assert trie.speculate(context, k, factor, min_prob).token_ids == expected
 
 
 @settings(max_examples=30, deadline=None)
-@given(kept=sequences, evicted=sequences, depth=st.integers(2, 6))
-def test_remove_leaves_the_trie_of_the_rest(kept, evicted, depth):
+@given(seqs=st.lists(sequences, min_size=2, max_size=3), depth=st.integers(2, 6))
+def test_remove_leaves_the_trie_of_the_rest(seqs, depth):
     trie = SuffixTrie(depth)
-    for seq_id, seq in (("kept", kept), ("evicted", evicted)):
+    for seq_id, seq in enumerate(seqs):
         trie.extend(seq_id, seq)
         trie.close(seq_id)
-    trie.remove(evicted)
-    assert trie_counts(trie) == substring_counts([kept], depth)
-    assert trie.root.count == len(kept)
+    trie.remove(0)
+    assert trie_counts(trie) == substring_counts(seqs[1:], depth)
+    assert trie.root.count == sum(map(len, seqs[1:]))
+    trie.extend("new", seqs[0])  # the remaining nodes still take new occurrences
+    assert trie_counts(trie) == substring_counts(seqs[1:] + seqs[:1], depth)
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,8 +1,6 @@
 """Suffix-decoding proposer (Snowflake's SuffixDecoding, vLLM's method "suffix"): drafts from a trie of
 the request's own prompt+output and a global trie of earlier finished requests' outputs."""
 
-from collections import OrderedDict
-
 import numpy as np
 
 from cbjax.worker.spec.suffix_tree import Draft, SuffixTrie
@@ -43,9 +41,8 @@ class SuffixProposer:
         self.max_spec_factor = suffix_decoding_max_spec_factor
         self.min_token_prob = suffix_decoding_min_token_prob
         self.global_trie = SuffixTrie(self.max_depth)
-        self.cached_outputs: OrderedDict[object, np.ndarray] = OrderedDict()  # oldest first
+        self.cached_request_ids: dict[object, None] = {}  # insertion order: oldest first
         self._request_tries: dict[object, SuffixTrie] = {}
-        self._contexts: dict[object, list[int]] = {}  # the last max_depth tokens: all a match can use
         self._outputs: dict[object, list[int]] = {}
 
     def start_request(self, request_id, prompt_token_ids) -> None:
@@ -53,33 +50,35 @@ class SuffixProposer:
         if request_id in self._request_tries:
             raise ValueError(f"request {request_id!r} already started; finish_request it first")
         self._request_tries[request_id] = SuffixTrie(self.max_depth)
-        self._contexts[request_id] = []
+        self._request_tries[request_id].extend(request_id, prompt_token_ids)
         self._outputs[request_id] = []
-        self._append(request_id, prompt_token_ids)
 
     def extend(self, request_id, new_token_ids) -> None:
         """Appends the request's newly generated tokens [n]; O(max_depth) per token."""
         self._outputs[request_id].extend(np.asarray(new_token_ids, dtype=np.int64).tolist())
-        self._append(request_id, new_token_ids)
+        self._request_tries[request_id].extend(request_id, new_token_ids)
 
     def finish_request(self, request_id) -> None:
         """Drops the request's trie and moves its output into the global cache."""
-        del self._request_tries[request_id], self._contexts[request_id]
-        output = np.asarray(self._outputs.pop(request_id), dtype=np.int64)
-        if self.max_cached_requests == 0 or output.size == 0:
+        del self._request_tries[request_id]
+        output = self._outputs.pop(request_id)
+        if self.max_cached_requests == 0 or not output:
             return
-        if request_id in self.cached_outputs:  # a reused id: its older output goes first
-            self.global_trie.remove(self.cached_outputs.pop(request_id))
+        if request_id in self.cached_request_ids:  # a reused id: its older output goes first
+            del self.cached_request_ids[request_id]
+            self.global_trie.remove(request_id)
         self.global_trie.extend(request_id, output)
         self.global_trie.close(request_id)
-        self.cached_outputs[request_id] = output
-        while len(self.cached_outputs) > self.max_cached_requests:
-            _, evicted = self.cached_outputs.popitem(last=False)
-            self.global_trie.remove(evicted)
+        self.cached_request_ids[request_id] = None
+        while len(self.cached_request_ids) > self.max_cached_requests:
+            oldest = next(iter(self.cached_request_ids))
+            del self.cached_request_ids[oldest]
+            self.global_trie.remove(oldest)
 
     def propose_request(self, request_id) -> np.ndarray:
         """draft: [<= k] int32 for a started request; empty when neither trie matches."""
-        return self._best_draft(self._request_tries[request_id], self._contexts[request_id])
+        request_trie = self._request_tries[request_id]
+        return self._best_draft(request_trie, request_trie.sequences[request_id][-self.max_depth:])
 
     def propose(self, token_ids: np.ndarray) -> np.ndarray:
         """The stateless Proposer form: token_ids [num_tokens] -> draft [<= k] int32, building the
@@ -88,12 +87,6 @@ class SuffixProposer:
         request_trie.extend(None, token_ids)
         context = np.asarray(token_ids, dtype=np.int64)[-self.max_depth:].tolist()
         return self._best_draft(request_trie, context)
-
-    def _append(self, request_id, token_ids) -> None:
-        self._request_tries[request_id].extend(request_id, token_ids)
-        context = self._contexts[request_id]
-        context.extend(np.asarray(token_ids, dtype=np.int64).tolist())
-        del context[:-self.max_depth]
 
     def _best_draft(self, request_trie: SuffixTrie, context: list[int]) -> np.ndarray:
         args = (context, self.k, self.max_spec_factor, self.min_token_prob)
