@@ -107,6 +107,16 @@ def test_global_cache_proposes_an_earlier_requests_output():
     assert draft_for(off, [7, 8, 40, 41, 42]) == []
 
 
+def test_only_the_output_enters_the_global_cache():
+    p = SuffixProposer()
+    p.start_request("a", np.array([1, 2, 3]))
+    p.extend("a", [4])
+    p.extend("a", np.array([5, 6]))
+    p.finish_request("a")
+    assert p.global_trie.sequences == {"a": [4, 5, 6]}
+    assert draft_for(p, [2, 3]) == []  # the prompt's continuation was not cached
+
+
 def test_eviction_drops_the_oldest_request_past_max_cached_requests():
     outputs = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     p = proposer_with_cache(outputs, suffix_decoding_max_cached_requests=2)

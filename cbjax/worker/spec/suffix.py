@@ -43,7 +43,7 @@ class SuffixProposer:
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached_request_ids: dict[object, None] = {}  # insertion order: oldest first
         self._request_tries: dict[object, SuffixTrie] = {}
-        self._outputs: dict[object, list[int]] = {}
+        self._prompt_lens: dict[object, int] = {}  # where the output starts in the request's sequence
 
     def start_request(self, request_id, prompt_token_ids) -> None:
         """Builds the request's trie over its prompt [num_prompt_tokens]."""
@@ -51,17 +51,16 @@ class SuffixProposer:
             raise ValueError(f"request {request_id!r} already started; finish_request it first")
         self._request_tries[request_id] = SuffixTrie(self.max_depth)
         self._request_tries[request_id].extend(request_id, prompt_token_ids)
-        self._outputs[request_id] = []
+        self._prompt_lens[request_id] = len(prompt_token_ids)
 
     def extend(self, request_id, new_token_ids) -> None:
         """Appends the request's newly generated tokens [n]; O(max_depth) per token."""
-        self._outputs[request_id].extend(np.asarray(new_token_ids, dtype=np.int64).tolist())
         self._request_tries[request_id].extend(request_id, new_token_ids)
 
     def finish_request(self, request_id) -> None:
         """Drops the request's trie and moves its output into the global cache."""
-        del self._request_tries[request_id]
-        output = self._outputs.pop(request_id)
+        request_trie = self._request_tries.pop(request_id)
+        output = request_trie.sequences[request_id][self._prompt_lens.pop(request_id):]
         if self.max_cached_requests == 0 or not output:
             return
         if request_id in self.cached_request_ids:  # a reused id: its older output goes first
