@@ -35,8 +35,9 @@ class SuffixTrie:
 
     Substrings that occurred once are not stored (see TrieNode.tails), so memory grows with the
     sequences plus their repeated substrings rather than with max_depth * tokens, as arctic-inference's
-    path-compressed tree. Appending a token lengthens every open suffix (shorter than max_depth, ending
-    at the previous token) by one: O(max_depth) per token, whatever the sequence's length. `remove`
+    path-compressed tree. Appending a token lengthens the open suffixes (shorter than max_depth, ending
+    at the previous token, seen elsewhere too) by one: O(max_depth) per token at most, whatever the
+    sequence's length, and O(1) where the text does not repeat itself. `remove`
     takes a closed sequence's counts back out (eviction from the global cache)."""
 
     def __init__(self, max_depth: int):
@@ -47,8 +48,9 @@ class SuffixTrie:
         self.max_depth = max_depth
         self.root = TrieNode(depth=0, count=0)
         self.sequences: dict[object, list[int]] = {}
-        # seq_id -> {start: node of seq[start:] or None when that suffix occurred only there}
-        self._open: dict[object, dict[int, TrieNode | None]] = {}
+        # seq_id -> {start: node of seq[start:]} for its open suffixes that occurred elsewhere too; the
+        # others occurred only there, and so will their extensions: they need no work per token
+        self._open: dict[object, dict[int, TrieNode]] = {}
 
     def extend(self, seq_id, token_ids) -> None:
         """Appends token_ids [n] to sequence seq_id (a new one if unseen)."""
@@ -59,9 +61,8 @@ class SuffixTrie:
             self.root.count += 1
             grown = {}
             for start, node in [*open_suffixes.items(), (len(seq) - 1, self.root)]:
-                # a suffix that occurred once still occurs once, longer: the sequence spells it out
-                child = None if node is None else self._add_occurrence(node, token, seq_id, len(seq))
-                if len(seq) - start < self.max_depth:
+                child = self._add_occurrence(node, token, seq_id, len(seq))
+                if child is not None and child.depth < self.max_depth:
                     grown[start] = child
             open_suffixes = self._open[seq_id] = grown
 
@@ -81,7 +82,7 @@ class SuffixTrie:
         if child.depth < self.max_depth:
             if first_next < len(first_seq):
                 child.tails[first_seq[first_next]] = (first_seq_id, first_next + 1)
-            elif first_seq_id in self._open:  # it ends a growing sequence: its next token comes through here
+            elif first_seq_id in self._open:  # it ends a growing sequence: now an open suffix seen twice
                 self._open[first_seq_id][first_next - child.depth] = child
         return child
 
