@@ -129,18 +129,18 @@ def abstract_lowering(config: ModelConfig, tp: int) -> dict:
     return found
 
 
-def tp_logits(ckpt: Path, tp: int) -> dict:
+def tp_logits(ckpt: Path, tp: int, quantization: str | None = None) -> dict:
     """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
-    pool) with its weights split over `tp` devices, and every weight's shape and shard shapes. A forward
-    pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the engine's TP
-    path is llama's and mixtral's serve() runs."""
+    pool) with its weights split over `tp` devices (and quantized as `quantization` says), and every
+    weight's shape, dtype and shard shapes. A forward pass instead of an engine run (whose bucket
+    compiles cost ~20 s a model at TP=4): the engine's TP path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
     from cbjax.models.layers.attention import AttentionPlan
     from cbjax.models.layers.kv_pool import init_kv_pool
     from kernels_pallas import AttentionMetadata
 
     tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp) if tp > 1 else None
-    model, config = load_model(ckpt, tensor_parallel=tensor_parallel)
+    model, config = load_model(ckpt, tensor_parallel=tensor_parallel, quantization=quantization)
     graphdef, state = nnx.split(model)
     block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
     n = len(prompt)
@@ -153,7 +153,7 @@ def tp_logits(ckpt: Path, tp: int) -> dict:
     plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh)
     step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
         jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
-    weights = {param_name(path): {"shape": list(variable.shape),
+    weights = {param_name(path): {"shape": list(variable.shape), "dtype": str(variable.dtype),
                                   "shard_shapes": sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})}
                for path, variable in nnx.to_flat_state(state)}
     return {"logits": np.asarray(step(state, pool)).tolist(), "weights": weights}
@@ -242,6 +242,7 @@ def main() -> None:
         "logits": {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()}
         | {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 4)}
            for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2))},
+        "int8_logits": {tp: tp_logits(llama[1], tp, "int8") for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),
