@@ -8,6 +8,7 @@ import os
 from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 from cbjax.core.kv.prefix_cache import check_hash_algo
 from cbjax.core.sched.policy import check_scheduling_policy
+from cbjax.quantization import check_quantization
 
 
 @dataclasses.dataclass
@@ -18,6 +19,10 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "float16" halves the pool's bytes
+    # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) for every
+    # decoder projection; embeddings and the LM head stay float, and so do the checkpoint and its weights cache.
+    # Not packed for the C++ matmul (float32 only). None: off.
+    quantization: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
     block_size: int = 16
@@ -91,6 +96,7 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
             )
         check_scheduling_policy(self.scheduling_policy)
+        check_quantization(self.quantization)
         check_hash_algo(self.prefix_caching_hash_algo)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")

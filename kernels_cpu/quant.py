@@ -14,14 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8
 
-QUANTIZATIONS = ("int8",)  # the names `quantization=` accepts; int4 (group-wise) plugs in here
 INT8_MAX = 127
-
-
-def check_quantization(name: str | None) -> None:
-    """Raise naming `name` and the supported ones unless it is None or one of QUANTIZATIONS."""
-    if name is not None and name not in QUANTIZATIONS:
-        raise ValueError(f"quantization={name!r} is not supported; use one of {QUANTIZATIONS} or None (no quantization)")
 
 
 def quantize_int8(w: Float[np.ndarray, "k n"]) -> tuple[Int8[np.ndarray, "k n"], Float[np.ndarray, " n"]]:

@@ -142,19 +142,19 @@ def abstract_lowering(config: ModelConfig, tp: int, expert_parallel: bool = Fals
     return found
 
 
-def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False) -> dict:
+def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: str | None = None) -> dict:
     """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
     pool) with its weights split over `tp` devices (a MoE model's experts placed whole on them with
-    expert_parallel), and every weight's shape and shard shapes. A forward
-    pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the engine's TP
-    path is llama's and mixtral's serve() runs."""
+    expert_parallel; quantized as `quantization` says), and every weight's shape, dtype and shard shapes.
+    A forward pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the
+    engine's TP path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
     from cbjax.models.layers.attention import AttentionPlan
     from cbjax.models.layers.kv_pool import init_kv_pool
     from kernels_pallas import AttentionMetadata
 
     tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp, expert_parallel=expert_parallel) if tp > 1 else None
-    model, config = load_model(ckpt, tensor_parallel=tensor_parallel)
+    model, config = load_model(ckpt, tensor_parallel=tensor_parallel, quantization=quantization)
     graphdef, state = nnx.split(model)
     block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
     n = len(prompt)
@@ -167,7 +167,7 @@ def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False) -> dict:
     plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh, expert_parallel=expert_parallel)
     step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
         jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
-    weights = {param_name(path): {"shape": list(variable.shape),
+    weights = {param_name(path): {"shape": list(variable.shape), "dtype": str(variable.dtype),
                                   "shard_shapes": sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})}
                for path, variable in nnx.to_flat_state(state)}
     return {"logits": np.asarray(step(state, pool)).tolist(), "weights": weights}
@@ -259,6 +259,7 @@ def main() -> None:
            for family, dirs in (("qwen2", qwen2), ("qwen3", qwen3), ("olmo2", olmo2), ("gemma3", gemma3))},
         "expert_parallel_logits": {family: {ep: tp_logits(dirs[1], ep, expert_parallel=True) for ep in (2, 4)}
                                    for family, dirs in moe.items()},
+        "int8_logits": {tp: tp_logits(llama[1], tp, quantization="int8") for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
         "sharded_sampling": sharded_sampling(),

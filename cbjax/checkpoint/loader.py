@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -17,8 +18,10 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.layers.linear import fuse_projections, pack_linears
+from cbjax.models.layers.linear import fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedPlacement(Protocol):
@@ -36,6 +39,7 @@ class ShardedPlacement(Protocol):
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
     tensor_parallel: ShardedPlacement | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
+    quantization: str | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly,
     into the class of its architecture's registry entry.
@@ -48,12 +52,17 @@ def load_model(
     model; KV heads are repeated as it says, and the config returned is the served one.
     fused_projections: the model built with fused_projections=True, its fused kernels made
     from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
+    quantization: "int8" quantizes every decoder projection here, at load, after fusing (see
+    quantize_linears; not with pack_for_cpu, whose packed kernel is float32 only). The checkpoint
+    and the weights cache stay float.
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
     if fused_projections and tensor_parallel is not None:
         raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
+    if pack_for_cpu and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} needs pack_for_cpu=False: the packed CPU matmul is float32 only")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
     arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu)
@@ -71,12 +80,14 @@ def load_model(
         if arrange is not None:
             params = arrange[1](params)
     if tensor_parallel is None:
-        model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections)
+        params = _quantize(params, quantization)
+        model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections,
+                            quantization=quantization)
     else:
-        params = tensor_parallel.repeat_kv_heads(params, config)
+        params = _quantize(tensor_parallel.repeat_kv_heads(params, config), quantization)
         config = tensor_parallel.serving_config(config)
         place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
-        model = _fill_model(config, model_dtype, params, activation_dtype, place)
+        model = _fill_model(config, model_dtype, params, activation_dtype, place, quantization=quantization)
     release_free_heap()
     return model, config
 
@@ -98,6 +109,19 @@ def _arrangement(
         return params
 
     return "+".join(name for name, _ in steps), arrange
+
+
+def _quantize(params: dict[str, np.ndarray | jax.Array], quantization: str | None) -> dict[str, np.ndarray | jax.Array]:
+    """quantize_linears, and the start-up log line that says what it did."""
+    if quantization is None:
+        return params
+    before = sum(array.nbytes for array in params.values())
+    params = quantize_linears(params, quantization)
+    num_projections = sum(name.endswith(".scales") for name in params)
+    after = sum(array.nbytes for array in params.values())
+    logger.info("quantization: %s (%d projections, %.2f GiB -> %.2f GiB)", quantization, num_projections,
+                before / 2**30, after / 2**30)
+    return params
 
 
 def _restore_orbax(
@@ -126,19 +150,20 @@ def _restore_orbax(
 def _fill_model(
     config: ModelConfig, dtype: str, params: dict[str, np.ndarray | jax.Array], activation_dtype: str | None = None,
     place: Callable[[str, np.ndarray | jax.Array], jax.Array] = lambda name, array: jax.device_put(array, may_alias=True),
-    fused_projections: bool = False,
+    fused_projections: bool = False, quantization: str | None = None,
 ) -> nnx.Module:
     """Place checked params into the abstract model, casting one tensor at a time; each host array is
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
-    default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy."""
+    default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy.
+    Each tensor is cast to its variable's dtype: `dtype`, or int8 kernels and float32 scales where quantized."""
     graphdef, abstract_state = nnx.split(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
-                       fused_projections)
+                       fused_projections, quantization)
     )
     filled = [
         (path, variable.replace(
-            place(param_name(path), params.pop(param_name(path)).astype(jnp.dtype(dtype), copy=False))
+            place(param_name(path), params.pop(param_name(path)).astype(variable.dtype, copy=False))
             if isinstance(variable, nnx.Param)
             else jnp.zeros(variable.shape, variable.dtype)  # derived below, from the parameters
         ))

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.models.config import ModelConfig
+from cbjax.models.layers.linear import declare_quantized
 from cbjax.models.registry import architecture, model_class
 
 
@@ -31,20 +32,22 @@ class _FixedKey:
 
 
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None,
-                   fused_projections: bool = False) -> nnx.Module:
-    """The model (its registry entry's class) with shapes and dtypes only: no memory, no random init."""
+                   fused_projections: bool = False, quantization: str | None = None) -> nnx.Module:
+    """The model (its registry entry's class) with shapes and dtypes only: no memory, no random init.
+    `quantization`: its projections int8 with scales (declare_quantized)."""
     return nnx.merge(*abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
-                                     fused_projections))
+                                     fused_projections, quantization))
 
 
 @functools.lru_cache(maxsize=8)  # a load needs it twice: the parameters to expect, then the model to fill
 def abstract_split(
     config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None, fused_projections: bool = False,
+    quantization: str | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """nnx.split of the abstract model (read-only: callers replace its variables, never set them)."""
     return nnx.split(nnx.eval_shape(
-        lambda: model_class(config)(config, dtype=dtype, activation_dtype=activation_dtype, rngs=_FixedKey(),
-                                    fused_projections=fused_projections)
+        lambda: declare_quantized(model_class(config)(config, dtype=dtype, activation_dtype=activation_dtype,
+                                                      rngs=_FixedKey(), fused_projections=fused_projections), quantization)
     ))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 
 import jax
 from flax import nnx
@@ -60,12 +61,18 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     # load and the steps are traced; the runner waits for it before it compiles them.
     kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
     # Under TP, model_config counts KV heads after repetition (see cbjax/worker/distributed/sharding.py).
+    # The packed C++ matmul is float32 only: int8 projections run as (x @ q) * scales instead.
     pack_for_cpu = (kernel_build is not None and config.cpu_packed_weights and tensor_parallel is None
-                    and config.num_processes == 1)
+                    and config.num_processes == 1 and config.quantization is None)
+    if config.quantization is not None and device.platform == "cpu":
+        warnings.warn(
+            f"quantization={config.quantization!r} on a CPU runs slower than float32 for now: XLA:CPU converts the int8 "
+            "weights before each dot and the packed float32 C++ matmul is off (benchmarks/quantization.py); it saves "
+            "memory, not time. Leave quantization unset for speed here.", RuntimeWarning, stacklevel=2)
     # One device: q/k/v and gate/up as one kernel each (3 dots and 3 arrays fewer per layer).
     model, mc = load_model(
         config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,
-        pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None,
+        pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None, quantization=config.quantization,
     )
     config.resolve(mc.max_position_embeddings)
     backend = resolve_backend(

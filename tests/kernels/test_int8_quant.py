@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_cpu.quant import check_quantization, int8_matmul, quantize_int8
+from cbjax.quantization import check_quantization
+from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_pallas.lowering import lowering_target
 
 SHAPES = [(1, 1, 1), (1, 33, 31), (3, 64, 32), (5, 96, 33), (7, 127, 65)]  # rows, K, N: rows 1, odd widths, panel edges

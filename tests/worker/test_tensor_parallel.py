@@ -71,6 +71,21 @@ def test_dense_families_split_over_4_devices_give_tp1_logits(findings, family):
     assert q_proj["shard_shapes"] == [[q_proj["shape"][0], q_proj["shape"][1] // 4]]  # split by heads
 
 
+def test_int8_weights_split_with_their_scales_give_tp1_logits(findings):
+    """int8 (quantization="int8"): each projection's scales [out] travel with its output columns (q/k/v and
+    gate/up split, o/down replicated), so TP=2 gives TP=1's int8 logits; shard shapes worked by hand
+    for the tiny llama (hidden 64, intermediate 128, 2 KV heads of 16)."""
+    runs = findings["int8_logits"]
+    np.testing.assert_allclose(np.array(runs["2"]["logits"]), np.array(runs["1"]["logits"]), atol=1e-5, rtol=1e-5)
+    weights = {name.removeprefix("model.layers.0."): w for name, w in runs["2"]["weights"].items()}
+    want = {"self_attn.q_proj": ([32], [64, 32]), "self_attn.k_proj": ([16], [64, 16]), "mlp.up_proj": ([64], [64, 64]),
+            "self_attn.o_proj": ([64], [32, 64]), "mlp.down_proj": ([64], [64, 64])}
+    for module, (scales, kernel) in want.items():
+        assert weights[f"{module}.kernel"]["dtype"] == "int8" and weights[f"{module}.scales"]["dtype"] == "float32"
+        assert weights[f"{module}.scales"]["shard_shapes"] == [scales] and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
+    assert weights["model.embed_tokens.embedding"]["dtype"] == weights["lm_head.kernel"]["dtype"] == "float32"
+
+
 @pytest.mark.parametrize("tp", ["2", "4"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_experts_split_within_each_expert_give_tp1_logits(findings, family, tp):

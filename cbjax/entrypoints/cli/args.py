@@ -6,6 +6,7 @@ import argparse
 
 from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
+from cbjax.quantization import QUANTIZATIONS
 from cbjax.entrypoints.openai.reasoning import PARSERS
 from cbjax.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -31,6 +32,8 @@ def add_engine_args(
         parser.add_argument("--model", required=model_required, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                        help="weight-only quantization of the decoder projections at load (default: none)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -97,7 +100,7 @@ def add_engine_args(
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype kv_cache_dtype max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
+        "dtype kv_cache_dtype quantization max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
         "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "

@@ -9,8 +9,9 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
+from cbjax.quantization import check_quantization
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
-from kernels_cpu.quant import check_quantization, int8_matmul, quantize_int8
+from kernels_cpu.quant import int8_matmul, quantize_int8
 
 
 class Linear(nnx.Linear):
@@ -22,7 +23,8 @@ class Linear(nnx.Linear):
     def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
         if kernel.dtype == jnp.int8:
-            y = int8_matmul(x, kernel, self.scales[...])
+            # The float32 product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
+            y = int8_matmul(x, kernel, self.scales[...]).astype(self.preferred_element_type or x.dtype)
             return y if self.bias is None else y + self.bias[...]
         if kernel.ndim == 2:
             return super().__call__(x)
@@ -50,18 +52,40 @@ def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[s
     return params
 
 
+def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether `quantization=` quantizes this kernel: a decoder layer's [in, out] projection (fused or
+    not). Embeddings, the LM head and a MoE layer's stacked experts [E, in, out] stay float."""
+    return ".layers." in kernel_name and kernel_name.endswith("_proj.kernel") and len(shape) == 2
+
+
 def quantize_linears(params: dict[str, np.ndarray], quantization: str | None) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant):
     `...kernel` int8 and `...scales` [out] float32 beside it. Embeddings and the LM head stay in the
-    activation dtype (their rows are gathered, and the head's error lands on every logit). One
-    tensor at a time: each quantized copy replaces its original."""
+    activation dtype (their rows are gathered, and the head's error lands on every logit). Run on the
+    float weights at load, after fuse_projections (a fused kernel's columns keep their own scales)
+    and instead of pack_linears (the packed kernel is float32 only). One tensor at a time: each
+    quantized copy replaces its original."""
     check_quantization(quantization)
     if quantization is None:
         return params
     for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel"):
+        if is_quantized_projection(name, params[name].shape):
             params[name], params[name.removesuffix("kernel") + "scales"] = quantize_int8(params.pop(name))
     return params
+
+
+def declare_quantized(model: nnx.Module, quantization: str | None) -> nnx.Module:
+    """`model` with each projection that quantize_linears quantizes declared as an int8 kernel and
+    float32 `scales` [out], so its state has the quantized weights' names, shapes and dtypes (build
+    it under nnx.eval_shape to get shapes only)."""
+    check_quantization(quantization)
+    if quantization is None:
+        return model
+    for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
+        if isinstance(module, Linear) and is_quantized_projection(".".join(map(str, (*path, "kernel"))), module.kernel.shape):
+            module.kernel = nnx.Param(jnp.zeros(module.kernel.shape, jnp.int8))
+            module.scales = nnx.Param(jnp.ones(module.kernel.shape[1], jnp.float32))
+    return model
 
 
 # Fused kernels (a model's fused_projections) and the checkpoint kernels whose columns they

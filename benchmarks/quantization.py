@@ -1,0 +1,109 @@
+"""float32 against int8 weights, side by side: `python -m benchmarks.quantization`.
+
+Speed: decode-heavy requests (short random prompts, `--output-len` tokens each, EOS ignored) at each
+`--num-seqs`, output tokens/s of the float32 engine (projections packed for the C++ matmul) and the
+quantization="int8" engine, alternated round by round in one process so that load from other
+processes falls on both alike; the median round is reported. Quality: perplexity of each engine on a
+held-out English text that ships with the OS (default: the GPL-3 and GFDL-1.3 texts of Debian's
+common-licenses), scored with prompt_logprobs over consecutive `--window`-token windows (each
+window's first token is not scored), and greedy agreement of the two engines' continuations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cbjax import LLM, SamplingParams
+from cbjax.bench.common import print_table, write_json
+
+TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3"]
+QUANTIZATIONS = {"float32": None, "int8": "int8"}
+
+
+def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(100, 10_000, size=prompt_len).tolist()} for _ in range(num_seqs)]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def perplexity(llm: LLM, token_ids: list[int], window: int) -> tuple[float, int]:
+    """exp(mean negative logprob) of every token after the first of each window, and how many were scored."""
+    windows = [token_ids[i:i + window] for i in range(0, len(token_ids) - 1, window)]
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows if len(w) > 1],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    logprobs = [entry[token].logprob for w, o in zip(windows, outputs)
+                for token, entry in zip(w[1:], o.prompt_logprobs[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine and batch size")
+    p.add_argument("--texts", nargs="+", default=TEXTS, help="held-out English text files, concatenated")
+    p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
+    p.add_argument("--greedy-tokens", type=int, default=64, help="greedy continuation length for agreement")
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args()
+    options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
+    engines = {}
+    for name, quantization in QUANTIZATIONS.items():
+        start = time.perf_counter()
+        engines[name] = LLM(args.model, quantization=quantization, **options)
+        print(f"{name}: engine built in {time.perf_counter() - start:.0f} s", flush=True)
+    weight_bytes = {name: sum(w.nbytes for w in llm.llm_engine.runner.weights) for name, llm in engines.items()}
+
+    rows = []
+    for num_seqs in args.num_seqs:
+        runs = {name: [] for name in engines}
+        for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
+            for name, llm in engines.items():
+                rate = output_tokens_per_s(llm, num_seqs, args.output_len, args.prompt_len, seed=round_index)
+                if round_index:
+                    runs[name].append(rate)
+        medians = {name: statistics.median(rates) for name, rates in runs.items()}
+        rows += [{"num_seqs": num_seqs, "weights": name, "output_tok_s": medians[name],
+                  "vs_float32": medians[name] / medians["float32"], "rounds": " ".join(f"{r:.0f}" for r in runs[name])}
+                 for name in engines]
+    print_table(rows, ["num_seqs", "weights", "output_tok_s", "vs_float32", "rounds"])
+
+    tokenizer = engines["float32"].get_tokenizer()
+    text = "\n\n".join(Path(path).read_text() for path in args.texts)
+    token_ids = tokenizer.encode(text)
+    quality = []
+    for name, llm in engines.items():
+        value, scored = perplexity(llm, token_ids, args.window)
+        quality.append({"weights": name, "perplexity": value, "scored_tokens": scored,
+                        "weight_gib": weight_bytes[name] / 2**30})
+    for row in quality:
+        row["vs_float32"] = row["perplexity"] / quality[0]["perplexity"]
+    print_table(quality, ["weights", "perplexity", "vs_float32", "scored_tokens", "weight_gib"])
+
+    prompts = [{"prompt_token_ids": token_ids[i:i + 64]} for i in range(0, 64 * 16, 64)]
+    greedy = {name: [list(o.outputs[0].token_ids) for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True), use_tqdm=False)]
+        for name, llm in engines.items()}
+    same = sum(a == b for x, y in zip(greedy["float32"], greedy["int8"]) for a, b in zip(x, y))
+    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                  for x, y in zip(greedy["float32"], greedy["int8"])]
+    print(f"greedy agreement: {same}/{len(prompts) * args.greedy_tokens} tokens; "
+          f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
+    write_json(args.result_json, {"speed": rows, "quality": quality, "text_files": args.texts,
+                                  "text_tokens": len(token_ids), "greedy_same_tokens": same,
+                                  "greedy_first_diff": first_diff, "options": options})
+
+
+if __name__ == "__main__":
+    main()
