@@ -67,14 +67,7 @@ class Olmo2DecoderLayer(nnx.Module):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM with OLMo-2's decoder layer (its final norm is an OLMo-2 RMSNorm too)."""
+    """LlamaForCausalLM with OLMo-2's decoder layer and final norm (an OLMo-2 RMSNorm)."""
 
     decoder_layer = Olmo2DecoderLayer
-
-    def __init__(
-        self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
-        activation_dtype: jnp.dtype | None = None, fused_projections: bool = False,
-    ):
-        super().__init__(config, dtype=dtype, rngs=rngs, activation_dtype=activation_dtype,
-                         fused_projections=fused_projections)
-        self.model.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    final_norm = Olmo2RMSNorm
