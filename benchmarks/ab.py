@@ -61,6 +61,11 @@ def startup_metrics(result: dict) -> Metrics:
     return {"import cbjax | s": result["import_s"], "LLM() | s": result["llm_s"]}
 
 
+def cpu_steps_metrics(result: dict) -> Metrics:
+    """benchmarks/cpu_steps.py: each case's ms (one round per run)."""
+    return {f"{name} | ms": statistics.median(values) for name, values in result["rounds"].items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     """A command that writes a result JSON, the workload it runs unless told otherwise, and what to compare."""
@@ -88,6 +93,13 @@ BENCHMARKS = {
                   "--kv-cache-memory-bytes", "268435456"],
         metrics=throughput_metrics,
         env={"CBJAX_DISABLE_COMPILE_CACHE": "1"},
+    ),
+    # The C++ attention kernel alone, one layer at SmolLM2's shapes: decodes, mixed steps and a prefill chunk.
+    "cpp-attention": Benchmark(
+        argv=lambda model: [str(REPO / "benchmarks" / "cpu_steps.py"), "--model", model, "--rounds", "1"],
+        workload=["--only", "C++", "--repeats", "30"],
+        metrics=cpu_steps_metrics,
+        warmup_rounds=1,  # each side builds its C++ kernel once
     ),
     # Warm start: `import cbjax` and `LLM()` with the caches the warm-up round filled.
     "startup": Benchmark(

@@ -139,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--result-json", type=pathlib.Path, default=None)
+    parser.add_argument("--only", default=None,
+                        help="run only the one-layer attention cases whose name contains this (e.g. 'C++'), no whole step")
     args = parser.parse_args(argv)
 
     runs = {}
     for name, (requests, num_tokens, kv_dtype, kwargs) in attention_variants().items():
+        if args.only is not None and args.only not in name:
+            continue
         q, k, v, metadata = attention_case(requests, num_tokens, kv_dtype)
         kwargs = dict(kwargs)
         if kwargs.pop("cpp", False):
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = mixed_paged_attention_reference if kwargs.pop("split", False) else ragged_paged_attention_reference
         f = jax.jit(functools.partial(reference, sm_scale=HEAD_DIM**-0.5, **kwargs))
         runs[f"attention (one layer): {name}"] = functools.partial(f, q, k, v, metadata)
-    runs |= decode_step_variants(args.model, args.batches, args.context)
+    if args.only is None:
+        runs |= decode_step_variants(args.model, args.batches, args.context)
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():
