@@ -141,6 +141,13 @@ def test_reset_restarts_the_grammar_for_a_recomputed_request(backend, tokenizer)
     assert allowed(grammar) == start
 
 
+def test_json_follows_the_schema_s_property_order(backend, tokenizer):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9}, "alpha": {"type": "boolean"}}}
+    text = random_walk(backend.compile(StructuredOutputsParams(json=schema)), tokenizer, np.random.default_rng(4))
+    assert list(json.loads(text)) == ["zeta", "alpha"], text
+
+
 def test_compiled_grammar_text_is_cached_by_constraint(backend):
     before = _grammar_text_of_key.cache_info().hits
     backend.compile(StructuredOutputsParams(regex="cached-[0-9]"))

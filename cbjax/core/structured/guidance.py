@@ -92,7 +92,7 @@ def _grammar_text_of_key(kind: str, key: str) -> str:
 def _cached_grammar_text(params: StructuredOutputsParams) -> str:
     """grammar_text cached by the constraint (its kind and JSON text), as vLLM caches compiled grammars."""
     value = getattr(params, params.kind)
-    try:
-        return _grammar_text_of_key(params.kind, json.dumps(value, sort_keys=True))
+    try:  # keys unsorted: a schema's property order is the order its JSON must follow
+        return _grammar_text_of_key(params.kind, json.dumps(value))
     except ValueError as error:  # grammar_from_json_schema raises on text that is not JSON
         raise ValueError(f"the {params.kind} constraint does not compile: {error}; fix the {params.kind}") from error
