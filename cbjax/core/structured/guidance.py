@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from cbjax.core.structured.backend import Grammar, StructuredOutputBackend
 from cbjax.sampling_params import StructuredOutputsParams
 
-# Whitespace between JSON items is free unless limited; vLLM's guidance backend also keeps it flexible.
+# Compact JSON, no free whitespace between items: vLLM's guidance backend with disable_any_whitespace=True
+# (its default allows any, which a weak model may fill until max_tokens).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _COMPILE_CACHE_SIZE = 256  # distinct constraints whose grammar text is kept
 
