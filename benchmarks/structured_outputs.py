@@ -32,6 +32,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from statistics import median
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.02  # a greedy divergence where vLLM's top two logprobs are this close is rounding's call
@@ -239,12 +240,6 @@ class Engine:
         self.process.stdin.close()
         self.process.wait(timeout=120)
         self.log.close()
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def invalid_outputs(record: dict, requests: list[dict]) -> list[str]:
