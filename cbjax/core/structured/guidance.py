@@ -1,6 +1,8 @@
 """The llguidance backend (vLLM's `guidance` backend): Lark/JSON-schema/regex grammars over the engine's
 HF `tokenizers` tokenizer, masks computed into numpy bitmasks."""
 
+from __future__ import annotations
+
 import functools
 import json
 
@@ -66,6 +68,11 @@ class GuidanceGrammar(Grammar):
 
     def reset(self) -> None:
         self._matcher = self._start.deep_copy()
+
+    def fork(self) -> GuidanceGrammar:
+        forked = GuidanceGrammar.__new__(GuidanceGrammar)
+        forked._matcher, forked._start = self._matcher.deep_copy(), self._start
+        return forked
 
 
 class GuidanceBackend(StructuredOutputBackend):

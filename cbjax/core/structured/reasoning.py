@@ -11,6 +11,7 @@ after the one that completes `</think>` (exact where `</think>` is one token, as
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -72,3 +73,8 @@ class AfterReasoning(Grammar):
     def reset(self) -> None:
         self._ended, self._tail = self._ended_in_prompt, ""
         self._grammar.reset()
+
+    def fork(self) -> AfterReasoning:
+        forked = copy.copy(self)
+        forked._grammar = self._grammar.fork()
+        return forked
