@@ -8,6 +8,7 @@ import os
 from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 from cbjax.core.kv.prefix_cache import check_hash_algo
 from cbjax.core.sched.policy import check_scheduling_policy
+from cbjax.core.structured.reasoning import check_reasoning_parser
 from cbjax.quantization import check_quantization
 
 
@@ -62,6 +63,9 @@ class EngineConfig:
     # `cbjax serve`'s default): on an accelerator always, on a CPU only while every seat is taken
     # (LLMEngine._overlaps: otherwise a prompt arriving mid-step would wait one more step).
     async_scheduling: bool | None = True
+    # The model's thinking markers (vLLM's option; `cbjax serve --reasoning-parser` sets it): "deepseek_r1" or
+    # "qwen3". A constrained request's grammar then applies from after the reply's </think>, not to the thinking.
+    reasoning_parser: str | None = None
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
     # Mixture-of-experts (vLLM's option): the experts placed whole on the tensor_parallel_size devices,
     # num_experts / tensor_parallel_size each, instead of each expert split over all; attention stays tensor parallel.
@@ -98,6 +102,7 @@ class EngineConfig:
         check_scheduling_policy(self.scheduling_policy)
         check_quantization(self.quantization)
         check_hash_algo(self.prefix_caching_hash_algo)
+        check_reasoning_parser(self.reasoning_parser)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -25,6 +25,7 @@ from engine_helpers import COMPILES, CompileCounter  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
+from cbjax.sampling_params import StructuredOutputsParams  # noqa: E402
 from cbjax.checkpoint.params import expected_params, param_name  # noqa: E402
 from cbjax.worker.compilation.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
 from cbjax.plan.capacity import load_model_config  # noqa: E402
@@ -67,11 +68,26 @@ def seeded_token_ids(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+# Constrained rows under TP: the masks are replicated and applied to the vocab-split logits before sampling.
+CONSTRAINTS = [StructuredOutputsParams(regex=r"[a-e]{3,8}-[0-9]{2}"),
+               StructuredOutputsParams(json={"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                                             "minItems": 1, "maxItems": 3})]
+
+
+def constrained_outputs(llm: LLM) -> list[dict]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:len(CONSTRAINTS)]],
+                        [SamplingParams(temperature=1.0, seed=5, max_tokens=24, structured_outputs=c) for c in CONSTRAINTS],
+                        use_tqdm=False)
+    return [{"token_ids": o.outputs[0].token_ids, "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason}
+            for o in outs]
+
+
 def prompts() -> list[list[int]]:
     return [[3 + (7 * i + 13 * n) % 290 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_backend: str = "auto") -> dict:
+def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_backend: str = "auto",
+          constrained: bool = False) -> dict:
     llm = LLM(str(ckpt), tensor_parallel_size=tp, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES[arch],
               attention_backend=attention_backend, **ENGINE_OPTIONS)
     runner = llm.llm_engine.runner
@@ -91,12 +107,14 @@ def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_ba
         use_tqdm=False,
     )
     seeded = seeded_token_ids(llm)
+    constrained_runs = constrained_outputs(llm) if constrained else None
     compiles.armed = False
     k_pages = runner.kv_pool[0]  # every layer's K, read after serving: each step donates the pool and replaces it
     stats = llm.get_stats()
     return {
         "token_ids": [o.outputs[0].token_ids for o in outs],
         "seeded_token_ids": seeded,
+        "constrained": constrained_runs,
         "weights": weights,
         "pool": {"shape": list(k_pages.shape), "shard_shapes": sorted({tuple(s.data.shape) for s in k_pages.addressable_shards})},
         "num_blocks": llm.llm_engine.block_manager.num_blocks,
@@ -247,11 +265,12 @@ def main() -> None:
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
     # interpreted Pallas kernels serve the TP=2 run, the jnp reference one more TP=4 run.
     llama_tp2 = serve("llama", llama[1], 2, compiles, "pallas_interpret")
+    tp1 = LLM(str(llama[1]), **ENGINE_OPTIONS)
     result = {
         "hf_dirs": {"llama": str(llama[0]), "qwen2": str(qwen2[0]), "qwen3": str(qwen3[0]), "olmo2": str(olmo2[0]),
                     **{family: str(dirs[0]) for family, dirs in moe.items()}},
         "prompts": prompts(),
-        "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles)},
+        "llama": {2: llama_tp2, 4: serve("llama", llama[1], 4, compiles, constrained=True)},
         "backends": {"pallas_interpret": llama_tp2, "xla": serve("llama", llama[1], 4, compiles, "xla")},
         "mixtral": {4: serve("mixtral", moe["mixtral"][1], 4, compiles)},
         "logits": {family: {tp: tp_logits(dirs[1], tp) for tp in (1, 2, 4)} for family, dirs in moe.items()}
@@ -261,7 +280,8 @@ def main() -> None:
                                    for family, dirs in moe.items()},
         "int8_logits": {tp: tp_logits(llama[1], tp, quantization="int8") for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
-        "tp1_seeded_token_ids": seeded_token_ids(LLM(str(llama[1]), **ENGINE_OPTIONS)),
+        "tp1_seeded_token_ids": seeded_token_ids(tp1),
+        "tp1_constrained": constrained_outputs(tp1),
         "sharded_sampling": sharded_sampling(),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),
         "abstract_lowering": {

@@ -65,7 +65,8 @@ class EngineCore:
         self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
                                     runner.max_suppressed_ids, config.scheduling_policy)
         # Constrained requests' grammars: they wait there while theirs compile, then join the scheduler.
-        self.structured = StructuredOutputManager(config.tokenizer or config.model, model_config.vocab_size)
+        self.structured = StructuredOutputManager(config.tokenizer or config.model, model_config.vocab_size,
+                                                   config.reasoning_parser)
         self.failed: list[tuple[Request, str]] = []  # requests the runner could not prepare (take_failed)
         self.num_steps = 0
         self.in_flight: Any = None  # async scheduling: a launched step whose tokens are not read yet

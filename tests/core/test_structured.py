@@ -10,7 +10,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from cbjax.core.structured.backend import bitmask_words
+from cbjax.config import EngineConfig
 from cbjax.core.structured.guidance import GuidanceBackend, _grammar_text_of_key
+from cbjax.core.structured.reasoning import AfterReasoning, reasoning_ended
 from cbjax.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from tiny_checkpoint import write_tiny_tokenizer
 
@@ -139,8 +141,56 @@ def test_reset_restarts_the_grammar_for_a_recomputed_request(backend, tokenizer)
     assert allowed(grammar) == start
 
 
+def test_json_follows_the_schema_s_property_order(backend, tokenizer):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9}, "alpha": {"type": "boolean"}}}
+    text = random_walk(backend.compile(StructuredOutputsParams(json=schema)), tokenizer, np.random.default_rng(4))
+    assert list(json.loads(text)) == ["zeta", "alpha"], text
+
+
 def test_compiled_grammar_text_is_cached_by_constraint(backend):
     before = _grammar_text_of_key.cache_info().hits
     backend.compile(StructuredOutputsParams(regex="cached-[0-9]"))
     backend.compile(StructuredOutputsParams(regex="cached-[0-9]"))
     assert _grammar_text_of_key.cache_info().hits == before + 1
+
+
+@pytest.mark.parametrize("text, ended", [
+    ("", False), ("user: hi", False), ("assistant: <think>\n", False), ("<think>plan</think>", True),
+    ("<think>\n\n</think>\n\n", True), ("<think>a</think> user: b <think>", False),
+])
+def test_the_last_thinking_marker_says_whether_reasoning_ended(text, ended):
+    assert reasoning_ended(text) is ended
+
+
+def test_a_grammar_after_reasoning_allows_every_token_until_think_closes(backend, tokenizer):
+    """Forced reply tokens: a think block with JSON-breaking text, then the schema's JSON."""
+    schema, every_token = SCHEMAS[0], set(range(VOCAB))
+    params = StructuredOutputsParams(json=schema)
+    decode = lambda token_id: tokenizer.decode([token_id])  # noqa: E731
+    grammar = AfterReasoning(backend.compile(params), decode, reasoning_ended("user: hi <think>"))
+    thinking = tokenizer.encode("plan: {not json} </think>").ids
+    assert len(tokenizer.encode("</think>").ids) > 1  # the marker spans tokens here
+    for token in thinking:
+        assert allowed(grammar) == every_token  # EOS too: a reply may stop while thinking
+        assert grammar.accept_tokens([token]) and not grammar.is_terminated()
+    assert allowed(grammar) == allowed(backend.compile(params))  # the answer starts the schema afresh
+    text = random_walk(grammar, tokenizer, np.random.default_rng(3))
+    jsonschema.validate(json.loads(text), schema)
+    grammar.reset()
+    assert allowed(grammar) == every_token
+
+
+def test_tokens_after_think_closes_in_one_step_go_to_the_grammar(backend, tokenizer):
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    grammar = AfterReasoning(backend.compile(choice), lambda t: tokenizer.decode([t]), False)
+    assert grammar.accept_tokens(tokenizer.encode("hm</think>").ids + tokenizer.encode("no").ids)
+    assert allowed(grammar) == {EOS}
+    closed = AfterReasoning(backend.compile(choice), lambda t: tokenizer.decode([t]), reasoning_ended("<think></think>"))
+    assert allowed(closed) == allowed(backend.compile(choice))  # the prompt closed it: constrained at once
+    assert not closed.accept_tokens(tokenizer.encode("</think>").ids[:1])
+
+
+def test_an_unknown_reasoning_parser_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"reasoning_parser='granite' is not known; choose one of \['deepseek_r1', 'qwen3'\]"):
+        EngineConfig(model="unused", reasoning_parser="granite")

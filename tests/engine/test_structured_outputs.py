@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from cbjax import SamplingParams
 from cbjax.core.structured.backend import bitmask_words
 from cbjax.core.structured.guidance import GuidanceBackend
+from cbjax.core.structured.manager import StructuredOutputManager
 from cbjax.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 
 VOCAB = 320  # the tiny model's logits width
@@ -149,3 +150,25 @@ def test_a_request_aborted_while_its_grammar_compiles_finishes_alone(llm):  # no
         finals.update((output.request_id, output.outputs[0]) for output in engine.step() if output.finished)
     assert (finals["constrained"].finish_reason, finals["constrained"].token_ids) == ("abort", [])
     assert len(finals["plain"].token_ids) == 3
+
+
+def test_with_a_reasoning_parser_the_constraint_applies_after_the_thinking(llm, tiny, monkeypatch):  # noqa: F811
+    """The core's grammars as `reasoning_parser="deepseek_r1"` makes them: a prompt that leaves the thinking
+    open gets exactly its unconstrained tokens and logprobs; one whose thinking is closed gets the schema."""
+    monkeypatch.setattr(llm.llm_engine.core, "structured", StructuredOutputManager(str(tiny[1]), VOCAB, "deepseek_r1"))
+    tokenizer, schema = Tokenizer.from_file(str(tiny[0] / "tokenizer.json")), SCHEMAS[2]
+    thinking, answering = ({"prompt_token_ids": tokenizer.encode(text).ids}
+                           for text in ("the user asks <think>", "the user asks <think>a plan</think>"))
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    constrained = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3,
+                                  structured_outputs=StructuredOutputsParams(json=schema)),
+                   SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))]
+    alone, still_thinking, answer = llm.generate([thinking, thinking, answering], [plain, *constrained], use_tqdm=False)
+    assert "</think>" not in alone.outputs[0].text
+    assert still_thinking.outputs[0].token_ids == alone.outputs[0].token_ids
+    got, want = ([(t, lp.logprob) for step in output.outputs[0].logprobs for t, lp in step.items()]
+                 for output in (still_thinking, alone))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)  # nothing masked
+    assert answer.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.outputs[0].text), schema)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +241,13 @@ def test_rows_needing_the_whole_vocabulary_take_the_gathered_path(findings, case
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_seeded_sampling_under_tp_equals_tp1(findings, tp):
     assert findings["llama"][tp]["seeded_token_ids"] == findings["tp1_seeded_token_ids"]
+
+
+def test_constrained_rows_under_tp_equal_tp1_and_match_their_constraints(findings):
+    runs, tp1 = findings["llama"]["4"]["constrained"], findings["tp1_constrained"]
+    assert [r["token_ids"] for r in runs] == [r["token_ids"] for r in tp1]
+    regex_run, json_run = runs
+    assert regex_run["finish_reason"] == json_run["finish_reason"] == "stop"
+    assert re.fullmatch(r"[a-e]{3,8}-[0-9]{2}", regex_run["text"]), regex_run["text"]
+    numbers = json.loads(json_run["text"])
+    assert 1 <= len(numbers) <= 3 and all(isinstance(n, int) and 0 <= n <= 99 for n in numbers), numbers

@@ -32,6 +32,16 @@ class Grammar(ABC):
     def reset(self) -> None:
         """Back to the start, for a preempted request recomputed from its prompt."""
 
+    @abstractmethod
+    def fork(self) -> "Grammar":
+        """An independent copy at the same position (a beam that grows two ways)."""
+
+    def allowed_token_ids(self, vocab_size: int) -> set[int]:
+        """The tokens allowed next, as ids."""
+        bitmask = np.zeros((1, bitmask_words(vocab_size)), np.int32)
+        self.fill_bitmask(bitmask, 0)
+        return set(np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size]).tolist())
+
 
 class StructuredOutputBackend(ABC):
     """Compiles constraints for one tokenizer; compile() may be slow and runs off the scheduler's thread."""

@@ -1,6 +1,8 @@
 """The llguidance backend (vLLM's `guidance` backend): Lark/JSON-schema/regex grammars over the engine's
 HF `tokenizers` tokenizer, masks computed into numpy bitmasks."""
 
+from __future__ import annotations
+
 import functools
 import json
 
@@ -13,7 +15,8 @@ from tokenizers import Tokenizer
 from cbjax.core.structured.backend import Grammar, StructuredOutputBackend
 from cbjax.sampling_params import StructuredOutputsParams
 
-# Whitespace between JSON items is free unless limited; vLLM's guidance backend also keeps it flexible.
+# Compact JSON, no free whitespace between items: vLLM's guidance backend with disable_any_whitespace=True
+# (its default allows any, which a weak model may fill until max_tokens).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _COMPILE_CACHE_SIZE = 256  # distinct constraints whose grammar text is kept
 
@@ -66,6 +69,11 @@ class GuidanceGrammar(Grammar):
     def reset(self) -> None:
         self._matcher = self._start.deep_copy()
 
+    def fork(self) -> GuidanceGrammar:
+        forked = GuidanceGrammar.__new__(GuidanceGrammar)
+        forked._matcher, forked._start = self._matcher.deep_copy(), self._start
+        return forked
+
 
 class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
@@ -92,7 +100,7 @@ def _grammar_text_of_key(kind: str, key: str) -> str:
 def _cached_grammar_text(params: StructuredOutputsParams) -> str:
     """grammar_text cached by the constraint (its kind and JSON text), as vLLM caches compiled grammars."""
     value = getattr(params, params.kind)
-    try:
-        return _grammar_text_of_key(params.kind, json.dumps(value, sort_keys=True))
+    try:  # keys unsorted: a schema's property order is the order its JSON must follow
+        return _grammar_text_of_key(params.kind, json.dumps(value))
     except ValueError as error:  # grammar_from_json_schema raises on text that is not JSON
         raise ValueError(f"the {params.kind} constraint does not compile: {error}; fix the {params.kind}") from error

@@ -4,6 +4,7 @@ completion, and advanced over each request's sampled tokens.
 A constrained request's completions wait here, not in the scheduler, while their grammars compile
 (vLLM's WAITING_FOR_FSM), so nobody queued behind them waits too. The runner reads `request.grammar`
 to fill each constrained row's mask; the core calls `advance` after each step it reads.
+With a reasoning parser, each grammar applies only after the reply's thinking (reasoning.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from cbjax.core.request import Request
+from cbjax.core.structured.reasoning import AfterReasoning, reasoning_ended
 
 if TYPE_CHECKING:  # the backend (llguidance, numpy) is imported by the first compile, not by `import cbjax`
     from cbjax.core.structured.backend import Grammar, StructuredOutputBackend
@@ -25,9 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_dir: str, vocab_size: int):
+    def __init__(self, tokenizer_dir: str, vocab_size: int, reasoning_parser: str | None = None):
         self._tokenizer_dir = Path(tokenizer_dir)
         self._vocab_size = vocab_size  # the model's logits width: the mask's
+        self._reasoning_parser = reasoning_parser
+        self._tokenizer: Tokenizer | None = None
         self._backend: StructuredOutputBackend | None = None  # made by the first compile (reads the vocabulary)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         # Each constrained prompt's completions, with their grammars' compile (one grammar per completion).
@@ -43,10 +47,17 @@ class StructuredOutputManager:
         if self._backend is None:
             from cbjax.core.structured.guidance import GuidanceBackend
 
-            tokenizer = Tokenizer.from_file(str(self._tokenizer_dir / "tokenizer.json"))
-            self._backend = GuidanceBackend(tokenizer, self._vocab_size, completions[0].eos_token_ids)
+            self._tokenizer = Tokenizer.from_file(str(self._tokenizer_dir / "tokenizer.json"))
+            self._backend = GuidanceBackend(self._tokenizer, self._vocab_size, completions[0].eos_token_ids)
         params = completions[0].sampling_params.structured_outputs
-        return [self._backend.compile(params) for _ in completions]
+        grammars = [self._backend.compile(params) for _ in completions]
+        if self._reasoning_parser is None:
+            return grammars
+        ended = reasoning_ended(self._tokenizer.decode(completions[0].prompt_token_ids, skip_special_tokens=False))
+        return [AfterReasoning(grammar, self._decode_token, ended) for grammar in grammars]
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)  # the markers may be special tokens
 
     def take_compiled(self) -> tuple[list[Sequence[Request]], list[tuple[Request, str]]]:
         """The prompts whose grammars are ready (each completion's set as `request.grammar`; those

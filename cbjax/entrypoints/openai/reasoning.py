@@ -9,13 +9,17 @@ they do for DeepSeek-R1 and Qwen3, whose tokenizers mark them as added but not s
   it is all reasoning (cut by max_tokens while thinking).
 - `qwen3`: a reply that opens with `<think>` reasons until `</think>`; any other reply is all answer
   (Qwen3 with thinking turned off).
+
+The same option tells the engine (EngineConfig.reasoning_parser) to apply a request's output
+constraint only after the thinking (core/structured/reasoning.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from cbjax.core.structured.reasoning import THINK_END as END
+from cbjax.core.structured.reasoning import THINK_START as START
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         str(model_dir),
         stat_loggers=[functools.partial(PrometheusStatLogger, registry, served_model_name)],
         engine_process=args.engine_process and args.num_processes == 1,
+        reasoning_parser=args.reasoning_parser,  # a constraint applies to the answer, not to the thinking
         **engine_options(args),
     )
     state = ServerState(engine, served_model_name, engine.engine_config.max_model_len, args.max_waiting_requests,
