@@ -8,6 +8,7 @@ import os
 from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 from cbjax.core.kv.prefix_cache import check_hash_algo
 from cbjax.core.sched.policy import check_scheduling_policy
+from cbjax.core.spec.config import SpeculativeConfig
 from cbjax.quantization import check_quantization
 
 
@@ -62,6 +63,11 @@ class EngineConfig:
     # `cbjax serve`'s default): on an accelerator always, on a CPU only while every seat is taken
     # (LLMEngine._overlaps: otherwise a prompt arriving mid-step would wait one more step).
     async_scheduling: bool | None = True
+    # Speculative decoding (vLLM's option and names; docs/serving.md): {"method": "ngram" | "suffix",
+    # "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_*",
+    # "disable_by_batch_size"}, a dict or its JSON. Greedy output is token for token the same; requests with
+    # penalties, logprobs, bad_words, structured outputs or under min_tokens do not speculate. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
     # Mixture-of-experts (vLLM's option): the experts placed whole on the tensor_parallel_size devices,
     # num_experts / tensor_parallel_size each, instead of each expert split over all; attention stays tensor parallel.
@@ -96,6 +102,8 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
             )
         check_scheduling_policy(self.scheduling_policy)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check_quantization(self.quantization)
         check_hash_algo(self.prefix_caching_hash_algo)
         if self.block_size & (self.block_size - 1):
