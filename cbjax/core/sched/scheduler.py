@@ -187,9 +187,10 @@ class Scheduler:
                 request.spec_token_ids = []
                 num_draft = min(len(drafts), token_budget - 1, request.max_num_tokens - num_tokens - 1)
                 if speculates and prefills_left and num_draft > 0 and num_tokens == start + 1 and not pending:
-                    drafts = spec_token_ids[request.request_id] = drafts[:num_draft]
+                    drafts = drafts[:num_draft]
                     if not self._schedule_verify(request, drafts, scheduled, allocated, preempted):
                         break  # it preempted itself: nobody after it is left
+                    spec_token_ids[request.request_id] = drafts
                     token_budget -= 1 + num_draft
                     num_prefills += 1  # its 1 + k query tokens take a prompt chunk's place in the step
                     prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
