@@ -158,3 +158,23 @@ def test_greedy_on_smollm2_equals_without_speculation():
     core = spec.llm_engine.core
     core.speculation.disable_by_batch_size = core.scheduler.max_spec_batch_size = 0  # speculation off
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == got
+
+
+def test_a_front_end_in_another_process_cuts_a_run_at_its_stop_string(tiny):  # noqa: F811
+    """Made by hand, the message of a step in which "x" verified a run of three tokens: the engine-core
+    process's front end appends all three, and a stop string the second completes ends the output there."""
+    from cbjax.core.protocol import empty_progress
+    from cbjax.engine.frontend import Frontend
+    from cbjax.tokenizer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny[1])
+    texts = {i: tokenizer.decode([i]) for i in range(40, 120)}
+    first, second, third = list({text: i for i, text in texts.items() if text.strip()}.values())[:3]  # distinct texts
+    stops = []
+    frontend = Frontend(tokenizer, [2], stops.append)
+    frontend.add_request("x", [5, 6], SamplingParams(temperature=0.0, max_tokens=9, stop=[texts[second]]), 0.0, None)
+    progress = empty_progress({})
+    progress.row_ids, progress.token_ids, progress.runs = ["x"], [third], {0: [first, second, third]}
+    (output,) = frontend.outputs(frontend.apply(progress))
+    assert output.finished and output.outputs[0].token_ids == [first, second] and stops == ["x"]
+    assert output.outputs[0].stop_reason == texts[second] and output.outputs[0].text == texts[first]
