@@ -92,7 +92,7 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
-    drafts: DraftInputs | None = None  # mixed steps with speculative decoding configured: the drafts to verify
+    drafts: DraftInputs | None = None  # with speculative decoding configured: the drafts to verify
 
 
 @jax.tree_util.register_dataclass
@@ -256,12 +256,8 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
-            drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self._verifies(bucket) else None,
+            drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None,
         )
-
-    def _verifies(self, bucket: Bucket) -> bool:
-        """Whether `bucket`'s step verifies drafts: its mixed steps, where speculation is configured."""
-        return self.num_draft_rows > 0 and bucket.kind == "mixed"
 
     def _host_outputs(self, bucket: Bucket) -> StepOutputs:
         def logprobs(num_rows: int) -> TokenLogprobs:
@@ -269,7 +265,9 @@ class ModelRunner:
             return TokenLogprobs(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32),
                                  np.zeros((num_rows, k), np.int32), np.zeros((num_rows, k), np.float32))
 
-        verified = empty_verified(self.num_draft_rows, self.num_speculative_tokens) if self._verifies(bucket) else None
+        # Every step carries the draft rows where speculation is configured, though only mixed steps verify: a
+        # decode and a mixed bucket of one shape then still share their executable (step_shapes).
+        verified = empty_verified(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None
         return StepOutputs(SamplerOutput(np.zeros(bucket.num_reqs, np.int32), logprobs(bucket.num_reqs)),
                            logprobs(bucket.num_tokens), verified)
 
