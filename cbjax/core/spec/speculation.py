@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from cbjax.core.request import Request
+from cbjax.core.request import Request, RequestStatus
 from cbjax.core.spec.config import SpeculativeConfig
+
+
+_RUNNING = RequestStatus.RUNNING
 
 
 class Drafter(Protocol):
@@ -52,10 +55,10 @@ class Speculation:
         return num_running <= self.disable_by_batch_size
 
     def propose(self, requests: Iterable[Request]) -> None:
-        """Draft for each unfinished request whose tokens are all on the host and that may speculate."""
+        """Draft for each running request whose tokens are all on the host and that may speculate."""
         draft = self.drafter.draft
         for request in requests:
-            if not request.is_finished and not request.num_output_placeholders and may_speculate(request):
+            if request.status is _RUNNING and not request.num_output_placeholders and may_speculate(request):
                 request.spec_token_ids = draft(request)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
