@@ -27,8 +27,8 @@ K = 4
 
 
 def repeating_prompts() -> list[list[int]]:
-    """Prompts that repeat themselves (drafts get accepted), one longer than a step's 32 tokens
-    (chunked prefill), and one random."""
+    """Prompts that repeat themselves (drafts get accepted), longer than a step's 16 tokens (chunked
+    prefill), and one random."""
     bases = random_prompts(7, [5, 7, 3, 6])
     prompts = [(base * 12)[:length] for base, length in zip(bases, [23, 45, 17, 30])]
     return prompts + random_prompts(8, [19])
@@ -36,8 +36,9 @@ def repeating_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny) -> LLM:  # noqa: F811
-    # 19 usable blocks of 8 tokens for 5 requests of up to 85 tokens: they preempt each other
-    options = {**ENGINE_OPTIONS, "num_kv_blocks": 20}
+    # 19 usable blocks of 8 tokens for 5 requests of up to 85 tokens: they preempt each other. Steps of
+    # 16 tokens: two compiled steps (decode, mixed), every prompt chunked.
+    options = {**ENGINE_OPTIONS, "num_kv_blocks": 20, "max_num_batched_tokens": 16}
     return LLM(str(tiny[1]), **options, speculative_config={
         "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 3})
 
