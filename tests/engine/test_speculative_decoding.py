@@ -91,6 +91,26 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, method, k):  # no
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # preempted, aborted, finished: every block back
 
 
+def test_speculation_switches_off_above_disable_by_batch_size_and_on_again(llm, spec_llm, monkeypatch):  # noqa: F811
+    """With 2 as the limit, 4 requests decode without drafts (async scheduling overlapping steps) until
+    two of them end, then the other two speculate: the output is still the output without speculation."""
+    prompts = repeating_prompts()[:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 40, 12, 40)]
+    want = run(llm, prompts, params)
+    use_drafter(spec_llm, "ngram", K)
+    core = spec_llm.llm_engine.core
+    monkeypatch.setattr(core.speculation, "disable_by_batch_size", 2)
+    monkeypatch.setattr(core.scheduler, "max_spec_batch_size", 2)
+    verified_batches = []
+    schedule = core.scheduler.schedule
+    monkeypatch.setattr(core.scheduler, "schedule", lambda: (output := schedule(), verified_batches.append(
+        (len(output.scheduled), bool(output.spec_token_ids))))[0])
+    got = run(spec_llm, prompts, params)
+    assert [got[i].outputs[0].token_ids for i in "0123"] == [want[i].outputs[0].token_ids for i in "0123"]
+    assert any(speculated for _, speculated in verified_batches)
+    assert all(rows <= 2 for rows, speculated in verified_batches if speculated)
+
+
 def first_stop_inside_a_run(tokenizer, output: list[int], runs: list[tuple[int, list[int]]]) -> str:
     """A stop string whose first occurrence in `output`'s text is completed by the first token of a
     verified run of several tokens (runs: (output index of its first token, its tokens))."""
