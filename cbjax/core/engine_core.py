@@ -235,7 +235,6 @@ class EngineCore:
             return False
         if self.speculation is not None and self.speculation.is_on(len(self.scheduler.running)):
             return False  # drafts follow a request's newest token: none may be in flight
-
         if mode is None:
             return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
         return mode
