@@ -111,6 +111,26 @@ def test_speculation_switches_off_above_disable_by_batch_size_and_on_again(llm, 
     assert all(rows <= 2 for rows, speculated in verified_batches if speculated)
 
 
+def test_requests_that_do_not_speculate_share_its_steps_unchanged(llm, spec_llm):  # noqa: F811
+    """Logprobs and penalties are not speculated: such requests decode one token a step beside rows
+    that verify drafts, with the tokens and logprobs they get without speculation."""
+    prompts = repeating_prompts()[:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    want = run(llm, prompts, params)
+    use_drafter(spec_llm, "ngram", K)
+    before = spec_llm.get_stats()["spec_decode_num_accepted_tokens"]
+    got = run(spec_llm, prompts, params)
+    assert spec_llm.get_stats()["spec_decode_num_accepted_tokens"] > before
+    for i in "0123":
+        assert got[i].outputs[0].token_ids == want[i].outputs[0].token_ids, i
+    for mine, theirs in zip(got["1"].outputs[0].logprobs, want["1"].outputs[0].logprobs):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
+
+
 def first_stop_inside_a_run(tokenizer, output: list[int], runs: list[tuple[int, list[int]]]) -> str:
     """A stop string whose first occurrence in `output`'s text is completed by the first token of a
     verified run of several tokens (runs: (output index of its first token, its tokens))."""
