@@ -9,6 +9,7 @@ from cbjax.arguments import ArgumentTypeError, check_int, check_number, describe
 from cbjax.core.kv.prefix_cache import check_hash_algo
 from cbjax.core.sched.policy import check_scheduling_policy
 from cbjax.core.structured.reasoning import check_reasoning_parser
+from cbjax.core.spec.config import SpeculativeConfig
 from cbjax.quantization import check_quantization
 
 
@@ -66,6 +67,11 @@ class EngineConfig:
     # The model's thinking markers (vLLM's option; `cbjax serve --reasoning-parser` sets it): "deepseek_r1" or
     # "qwen3". A constrained request's grammar then applies from after the reply's </think>, not to the thinking.
     reasoning_parser: str | None = None
+    # Speculative decoding (vLLM's option and names; docs/serving.md): {"method": "ngram" | "suffix",
+    # "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_*",
+    # "disable_by_batch_size"}, a dict or its JSON. Greedy output is token for token the same; requests with
+    # penalties, logprobs, bad_words, structured outputs or under min_tokens do not speculate. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)
     # Mixture-of-experts (vLLM's option): the experts placed whole on the tensor_parallel_size devices,
     # num_experts / tensor_parallel_size each, instead of each expert split over all; attention stays tensor parallel.
@@ -100,6 +106,8 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
             )
         check_scheduling_policy(self.scheduling_policy)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check_quantization(self.quantization)
         check_hash_algo(self.prefix_caching_hash_algo)
         check_reasoning_parser(self.reasoning_parser)

@@ -20,6 +20,7 @@ from cbjax.core.request import Request, RequestStatus
 from cbjax.core.request_checks import RequestLimits, check_request
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.core.sched.scheduler import Scheduler
+from cbjax.core.spec.speculation import Drafter, Speculation
 from cbjax.core.structured.manager import StructuredOutputManager
 
 
@@ -45,8 +46,12 @@ class StepRunner(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: StepRunner, model_config: Any, platform: str):
+    def __init__(self, config: EngineConfig, runner: StepRunner, model_config: Any, platform: str,
+                 drafter: Drafter | None = None):
         self.config = config
+        # Speculative decoding (speculative_config): the drafts, proposed after each step, and their counters.
+        spec = config.speculative_config
+        self.speculation = None if spec is None else Speculation(spec, drafter)
         self.runner = runner
         self.model_config = model_config
         self.platform = platform
@@ -60,6 +65,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_prefills=config.max_num_prefills,
             scheduling_policy=config.scheduling_policy,
+            max_spec_batch_size=0 if spec is None else spec.disable_by_batch_size,
         )
         # What each request is checked against; a front end in another process gets them too.
         self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
@@ -114,7 +120,7 @@ class EngineCore:
     def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
         request = self.scheduler.finish_request(request_id, status)
         if request is not None:
-            self.runner.release_request(request_id)
+            self._release(request)
             return request
         request = self.structured.withdraw(request_id)  # its grammar still compiling: never scheduled
         if request is not None:
@@ -175,7 +181,9 @@ class EngineCore:
         self.num_steps += launched is not None
         if self.runner.failed_requests:  # rows it could not write: their requests fail, the step goes on
             self._fail_requests()
-        if self.in_flight is not None or self._overlaps():  # a step in flight is always read before this one
+        # A step in flight is always read before this one; a step that verifies drafts is read before the next
+        # is scheduled (its requests' token counts are known only then).
+        if self.in_flight is not None or (not scheduled.spec_token_ids and self._overlaps()):
             launched, self.in_flight = self.in_flight, launched
         return NOTHING_READ if launched is None else self._update(launched)
 
@@ -189,14 +197,30 @@ class EngineCore:
                                for row in scheduled.scheduled
                                if not row.request.is_finished and row.request.request_id in prompt_logprobs}
         skipped: list[Request] = []
-        finished = self.scheduler.update(scheduled, sampled.token_ids, skipped)
+        runs = self._verified_runs(scheduled, sampled) if sampled.runs else None
+        finished = self.scheduler.update(scheduled, sampled.token_ids, skipped, runs)
         if self.structured.has_constrained():
             for request in self.structured.advance():  # its grammar is complete: it stops, as at eos
                 finished.append(self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED))
-        release = self.runner.release_request
         for request in finished:  # now: its slot serves others from the next step
-            release(request.request_id)
+            self._release(request)
+        speculation = self.speculation
+        if speculation is not None and speculation.is_on(len(self.scheduler.running)):
+            speculation.propose(row.request for row in scheduled.scheduled if row.samples)
         return EngineCoreStep(sampled, prompt_logprobs, finished, skipped, scheduled.preempted_request_ids)
+
+    def _verified_runs(self, scheduled: SchedulerOutput, sampled: SampledTokens) -> dict[str, list[int]]:
+        """The verifying rows' runs by request id, each verification counted."""
+        by_request = {sampled.sampling_requests[row].request_id: run for row, run in sampled.runs.items()}
+        for request_id, drafts in scheduled.spec_token_ids.items():
+            self.speculation.record(len(drafts), len(by_request[request_id]) - 1)
+        return by_request
+
+    def _release(self, request: Request) -> None:
+        """Free what the runner and the proposer hold for a finished request."""
+        self.runner.release_request(request.request_id)
+        if self.speculation is not None:
+            self.speculation.finish(request)
 
     def _overlaps(self) -> bool:
         """Whether this step reads the previous step's tokens (async scheduling) or its own.
@@ -210,6 +234,8 @@ class EngineCore:
         mode = self.config.async_scheduling
         if self.structured.has_constrained():  # a constrained row's mask needs the token in flight: none overlaps
             return False
+        if self.speculation is not None and self.speculation.is_on(len(self.scheduler.running)):
+            return False  # drafts follow a request's newest token: none may be in flight
         if mode is None:
             return self.platform != "cpu" or len(self.scheduler.running) >= self.config.max_num_seqs
         return mode
@@ -234,4 +260,5 @@ class EngineCore:
             "prefix_cache_hit_rate": block_manager.prefix_cache_hits / max(1, block_manager.prefix_cache_queries),
             "attention_backend": self.runner.backend,
             "buckets": len(self.runner.buckets),
+            **({} if self.speculation is None else self.speculation.stats()),
         }

@@ -31,7 +31,7 @@ def build_engine_core(options: dict[str, Any], progress: bool = True) -> EngineC
 
     config = EngineConfig(**options)
     worker = build_worker(config, progress=progress)
-    return EngineCore(config, worker.runner, worker.model_config, worker.platform)
+    return EngineCore(config, worker.runner, worker.model_config, worker.platform, worker.drafter)
 
 
 class EngineCoreProc:
@@ -102,6 +102,7 @@ class EngineCoreProc:
             finished=[ChildState.of(request) for request in step.finished],
             preempted=step.preempted,
             stats=core.get_stats(), num_step_tokens=core.last_step_num_tokens, timestamp=time.monotonic(),
+            runs=sampled.runs,
         ))
 
 

@@ -23,6 +23,9 @@ class SampledTokens:
     logprobs: list[float]
     ranks: list[int]  # over the whole vocabulary (vLLM's); 0 unless the request asked for logprobs
     top: dict[int, tuple[list[int], list[float]]]  # by row, for the rows that asked for logprobs: ids and logprobs
+    # By row, for the rows that verified drafts (speculative decoding): every token the row added this
+    # step, accepted drafts first; its token_ids entry is the last. The core's update cuts a run at a stop.
+    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def top_of(self, row: int) -> tuple[list[int], list[float]]:
         return self.top.get(row, ([], []))

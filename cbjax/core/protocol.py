@@ -53,6 +53,7 @@ class StepProgress:
     stats: dict[str, Any]  # EngineCore.get_stats() after the step
     num_step_tokens: int  # tokens of the step launched with it (0: none; async scheduling reads the one before)
     timestamp: float  # time.monotonic() when the core read the step (one clock for both processes)
+    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # SampledTokens.runs: verified drafts
 
 
 def empty_progress(

@@ -77,6 +77,9 @@ class Request:
     # Its structured-output constraint's state (core/structured/backend.py's Grammar), set once compiled;
     # the runner fills the row's token mask from it.
     grammar: Any = field(init=False, default=None)
+    # Draft tokens to verify in its next step (speculative decoding; core/spec/speculation.py), proposed
+    # after its newest token arrived; the scheduler takes them, the step's verification decides.
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
     first_scheduled_time: float | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
     finished_time: float | None = field(init=False, default=None)
@@ -106,3 +109,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first `num_output_tokens` output tokens: a stop string ended the request inside a
+        verified run of several tokens (speculative decoding), so the ones after it never were."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]

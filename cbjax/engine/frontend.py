@@ -90,9 +90,16 @@ class Frontend:
             for row in progress.skipped:
                 rows[row] = _GONE
             rows = tuple(rows)
+        runs = progress.runs
         for request, token_id in zip(rows, progress.token_ids):
             if not request.is_finished:  # as the core's update: a request finished before the step skips it
                 request.append_output_token(token_id)
+        for row, run in runs.items():  # a row that verified drafts added its whole run: the tokens before its last too
+            request = rows[row]
+            if not request.is_finished:
+                request.truncate_output(request.num_output_tokens - 1)
+                for token_id in run:
+                    request.append_output_token(token_id)
         for request_id, chunk in progress.prompt_logprobs.items():
             child = mirror(request_id)
             if child is not None and not child.is_finished:
@@ -112,7 +119,7 @@ class Frontend:
             if child is not None and not child.is_finished:
                 _set_state(child, state)
                 finished_now.append(child)
-        sampled = SampledTokens(rows, progress.token_ids, progress.logprobs, progress.ranks, progress.top)
+        sampled = SampledTokens(rows, progress.token_ids, progress.logprobs, progress.ranks, progress.top, runs)
         return progressed + self.book.progressed(sampled, finished_now, self._stop)
 
     def outputs(self, progressed: Iterable[tuple[ParentRequest, bool]]) -> list[RequestOutput]:

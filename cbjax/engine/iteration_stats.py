@@ -80,11 +80,14 @@ class IterationStatsCollector:
         self.num_prompt_tokens = 0
         self.num_first_tokens = 0
 
-    def sampled(self, request: Request) -> None:
-        """`request` (a child) got a token this step."""
+    def sampled(self, request: Request, num_tokens: int = 1) -> None:
+        """`request` (a child) got a token this step (`num_tokens`: a verified run of speculative
+        decoding, whose tokens after the first come 0 s after it)."""
         request_id = request.request_id
         previous = self.latest_token_step.get(request_id)
         self.latest_token_step[request_id] = self.step
+        if num_tokens > 1:
+            self.previous_token_steps += [self.step] * (num_tokens - 1)
         if previous is not None:
             self.previous_token_steps.append(previous)
             return

@@ -32,7 +32,7 @@ class LLMEngine:
         self.config = config
         worker = build_worker(config, precompile=precompile, progress=progress)
         self.model_config = worker.model_config
-        self.core = EngineCore(config, worker.runner, worker.model_config, worker.platform)
+        self.core = EngineCore(config, worker.runner, worker.model_config, worker.platform, worker.drafter)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)

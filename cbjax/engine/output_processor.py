@@ -100,9 +100,10 @@ class OutputProcessor:
             state.logprobs.append(self._logprob_dict(token_id, logprob, sampled.ranks[row], *sampled.top_of(row)))
         if not request.sampling_params.stop:
             return None
-        text = state.detokenizer.text_as_is(request.output_token_ids[-1])
-        if text and state.stop_ends.isdisjoint(text):
-            return None
+        if row not in sampled.runs:  # (a verified run's tokens before its last are checked one by one)
+            text = state.detokenizer.text_as_is(request.output_token_ids[-1])
+            if text and state.stop_ends.isdisjoint(text):
+                return None
         return self._detokenize(request, state)
 
     def _detokenize(self, request: Request, state: RequestText) -> str | None:
@@ -136,6 +137,9 @@ class OutputProcessor:
                     found = text.find(stop, window_start if window_start > 0 else 0)
                     if found != -1:
                         state.text = text[: found + len(stop) if params.include_stop_str_in_output else found]
+                        if index + 1 < end:  # inside a verified run: the tokens after it never were
+                            request.truncate_output(index + 1)
+                            state.num_detokenized = index + 1
                         return stop
         state.text = text
         return None

@@ -100,12 +100,13 @@ class RequestBook:
             rows = ((None, request) for request in finished_now)  # look, and no row (process_token is for watched ones)
         progressed: Progressed = []
         with_siblings: dict[str, ParentRequest] = {}  # n > 1: one output once all its rows are read
+        runs = sampled.runs
         for row, request in rows:
             finished = request.is_finished
             if finished and request not in finished_by_update:
                 continue  # finished before the step's tokens came back (update skipped it too)
             if iteration_stats is not None:
-                iteration_stats.sampled(request)
+                iteration_stats.sampled(request, len(runs[row]) if runs and row in runs else 1)
             if request in watched:
                 stop_string = output_processor.process_token(request, sampled, row)
                 if stop_string is not None:

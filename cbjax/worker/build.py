@@ -26,6 +26,7 @@ from cbjax.worker.compilation.compile_cache import enable_compile_cache
 from cbjax.worker.distributed import multihost
 from cbjax.worker.distributed.sharding import TensorParallel
 from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
+from cbjax.worker.spec.drafter import Drafter
 from cbjax.worker.sample.penalty_state import penalty_state_bytes
 from kernels_cpu import register_in_background
 
@@ -38,6 +39,7 @@ class Worker:
     model_config: ModelConfig
     platform: str  # the first device's: "cpu", "gpu", ...
     step_broadcast: multihost.StepBroadcast | None  # multi-host: the per-step buffer's ends (None: one process)
+    drafter: Drafter | None = None  # speculative decoding's proposer (None: speculative_config off)
 
 
 def build_worker(config: EngineConfig, *, precompile: bool = True, progress: bool = True) -> Worker:
@@ -109,4 +111,5 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         start = time.perf_counter()
         runner.precompile(progress=progress)
         logger.info("compiled %d steps in %.1f s", len(runner.buckets), time.perf_counter() - start)
-    return Worker(runner, mc, device.platform, step_broadcast)
+    drafter = None if config.speculative_config is None else Drafter(config.speculative_config)
+    return Worker(runner, mc, device.platform, step_broadcast, drafter)

@@ -44,6 +44,8 @@ from cbjax.core.request import Request
 from cbjax.core.structured.backend import bitmask_words
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
+from cbjax.worker.sample.verify import DraftInputs, VerifiedTokens, empty_drafts, empty_verified, verify_if_drafted
+from cbjax.worker.spec.draft_rows import draft_rows_needed, runs, write_draft_row
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
 from cbjax.heap import release_free_heap
@@ -90,6 +92,7 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
+    drafts: DraftInputs | None = None  # with speculative decoding configured: the drafts to verify
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +102,7 @@ class StepOutputs:
 
     sampled: SamplerOutput  # per sampling row
     prompt: TokenLogprobs  # per token row: the logprob of prompt_logprob_targets
+    verified: VerifiedTokens | None = None  # per draft row (StepInputs.drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +158,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        # Speculative decoding: mixed steps verify up to this many requests' drafts (0: off), k each.
+        self.num_draft_rows = draft_rows_needed(config)
+        self.num_speculative_tokens = config.speculative_config.num_speculative_tokens if self.num_draft_rows else 0
         self.graphdef, state = nnx.split(model)
         init_pool = functools.partial(
             init_kv_pool, model_config, num_blocks, config.block_size, kv_cache_dtype(config.kv_cache_dtype, model)
@@ -249,6 +256,7 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
+            drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None,
         )
 
     def _host_outputs(self, bucket: Bucket) -> StepOutputs:
@@ -257,8 +265,11 @@ class ModelRunner:
             return TokenLogprobs(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32),
                                  np.zeros((num_rows, k), np.int32), np.zeros((num_rows, k), np.float32))
 
+        # Every step carries the draft rows where speculation is configured, though only mixed steps verify: a
+        # decode and a mixed bucket of one shape then still share their executable (step_shapes).
+        verified = empty_verified(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None
         return StepOutputs(SamplerOutput(np.zeros(bucket.num_reqs, np.int32), logprobs(bucket.num_reqs)),
-                           logprobs(bucket.num_tokens))
+                           logprobs(bucket.num_tokens), verified)
 
     # ---- the step -----------------------------------------------------------
 
@@ -299,6 +310,8 @@ class ModelRunner:
             outputs = StepOutputs(
                 sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
+                None if inputs.drafts is None else
+                verify_if_drafted(hidden, model.compute_logits, inputs.drafts, sampling, penalty_state),
             )
             last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
             return kv_pool, penalty_state, last_sampled, block_table, pack_device(outputs)
@@ -631,6 +644,8 @@ class ModelRunner:
         logprob_targets = []
         sampling_rows, constants, counters, step_rows = [], [], [], {}  # per sampling row
         constrained = []  # (sampling row, its request's grammar)
+        spec_token_ids = scheduled.spec_token_ids
+        draft_rows = []  # (sampling row, token row of its newest token, drafts)
         # Each request's sampling row in the previous step, whose token a row may take on the device.
         last_sampling_rows = {} if previous is None else {r.request_id: k for k, r in enumerate(previous.sampling_requests)}
         for i, row in enumerate(rows):
@@ -640,7 +655,11 @@ class ModelRunner:
             self.table.sync(slot, request.block_ids)
             known = request.all_token_ids[start : start + n]
             token_ids += known
-            if len(known) < n:  # the token the previous step samples: taken from its output on the device
+            drafts = spec_token_ids.get(request_id) if spec_token_ids else None
+            if drafts:  # its newest token, then its drafts
+                draft_rows.append((len(constants), offset, drafts))
+                token_ids += drafts
+            elif len(known) < n:  # the token the previous step samples: taken from its output on the device
                 placeholders.append(len(token_ids))
                 sources.append(last_sampling_rows[request_id])
                 token_ids.append(0)
@@ -670,6 +689,8 @@ class ModelRunner:
             self.step_grammar_bitmask = np.zeros(self._masks_struct(bucket).shape, np.int32)
         for k, row_grammar in constrained:  # the tokens its grammar allows next
             row_grammar.fill_bitmask(self.step_grammar_bitmask, k)
+        for index, (sampling_row, first_token_row, drafts) in enumerate(draft_rows):
+            write_draft_row(inputs.drafts, index, sampling_row, first_token_row, drafts)
         attn = inputs.attention
         for offset, targets in logprob_targets:
             inputs.prompt_logprob_targets[offset : offset + len(targets)] = targets
@@ -748,7 +769,12 @@ class ModelRunner:
         for i in asked:  # rows that asked for them
             n = rows[i].sampling_params.logprobs
             top[i] = (logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
-        sampled = SampledTokens(rows, token_ids, token_logprobs, ranks, top)
+        verified_runs = {}
+        if scheduled.spec_token_ids:  # a verifying row's run: its token is the run's last
+            verified_runs = runs(inputs.drafts, out.verified, len(scheduled.spec_token_ids))
+            for row, run in verified_runs.items():
+                token_ids[row] = run[-1]
+        sampled = SampledTokens(rows, token_ids, token_logprobs, ranks, top, verified_runs)
         return sampled, self._prompt_logprobs(scheduled, inputs, out.prompt) if launched.scores_prompt else {}
 
     @staticmethod

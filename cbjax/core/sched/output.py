@@ -32,6 +32,9 @@ class SchedulerOutput:
     allocated: list[Request] = field(default_factory=list)
     # The rows' num_new_tokens added up, if the scheduler counted them as it went (else summed when asked).
     num_tokens: int | None = None
+    # Draft tokens each speculating row verifies after its newest token, by request id (vLLM's
+    # scheduled_spec_decode_tokens); such a row computes 1 + len(drafts) tokens and samples.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> int:

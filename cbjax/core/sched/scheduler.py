@@ -48,6 +48,7 @@ class Scheduler:
         max_num_prefills: int | None = None,
         scheduling_policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
+        max_spec_batch_size: int = 0,
     ):
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -92,6 +93,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_prefills = max_num_prefills
         self.clock = clock
+        # Running requests' drafts are verified only in a step that starts with at most this many
+        # running (speculative_config's disable_by_batch_size; 0: never).
+        self.max_spec_batch_size = max_spec_batch_size
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: RequestQueue = make_request_queue(scheduling_policy)
         self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
@@ -168,6 +172,8 @@ class Scheduler:
         prefills_left = self.max_num_prefills is None or self.max_num_prefills > 0
         block_manager = self.block_manager
         block_size = block_manager.block_size
+        spec_token_ids: dict[str, list[int]] = {}  # the drafts this step verifies, by request id
+        speculates = len(self.running) <= self.max_spec_batch_size
 
         # A for loop over the running list, though preemption pops from its end: a list's iterator
         # stops at the list's current length, and every victim lies after the row being scheduled.
@@ -176,6 +182,19 @@ class Scheduler:
                 break
             start, pending = request.num_computed_tokens, request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + pending
+            drafts = request.spec_token_ids
+            if drafts:  # taken now or never: once the request moves on they no longer follow its tokens
+                request.spec_token_ids = []
+                num_draft = min(len(drafts), token_budget - 1, request.max_num_tokens - num_tokens - 1)
+                if speculates and prefills_left and num_draft > 0 and num_tokens == start + 1 and not pending:
+                    drafts = drafts[:num_draft]
+                    if not self._schedule_verify(request, drafts, scheduled, allocated, preempted):
+                        break  # it preempted itself: nobody after it is left
+                    spec_token_ids[request.request_id] = drafts
+                    token_budget -= 1 + num_draft
+                    num_prefills += 1  # its 1 + k query tokens take a prompt chunk's place in the step
+                    prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
+                    continue
             if num_tokens == start + 1 and (not pending or num_tokens < request.max_num_tokens):
                 # A decode (what _num_new_tokens, the block check, _allocate and _advance decide for
                 # it, without the calls: hundreds a step): with room in its last block, most requests
@@ -239,14 +258,38 @@ class Scheduler:
                 prefills_left = self.max_num_prefills is None or num_prefills < self.max_num_prefills
 
         return SchedulerOutput(scheduled, [request.request_id for request in preempted], allocated,
-                               self.max_num_batched_tokens - token_budget)
+                               self.max_num_batched_tokens - token_budget, spec_token_ids)
+
+    def _schedule_verify(self, request: Request, drafts: list[int], scheduled: list[ScheduledRequest],
+                         allocated: list[Request], preempted: list[Request]) -> bool:
+        """Schedule `request`'s newest token and its drafts, with lookahead slots for the drafts (their
+        KV is overwritten where rejected); False if it had to preempt itself for the blocks."""
+        num_new_tokens = 1 + len(drafts)
+        block_manager = self.block_manager
+        if request.num_computed_tokens + num_new_tokens > len(request.block_ids) * block_manager.block_size:
+            while not block_manager.can_allocate(request, num_new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return False
+            block_manager.allocate(request, num_new_tokens)
+            allocated.append(request)
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new_tokens
+        request.num_output_placeholders += 1
+        scheduled.append(ScheduledRequest(request, num_new_tokens, start, True))
+        return True
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int],
-               skipped: list[Request] | None = None) -> list[Request]:
+               skipped: list[Request] | None = None, runs: dict[str, list[int]] | None = None) -> list[Request]:
         """Record the step's sampled tokens (one per scheduled request that samples, in their order)
         and cache the blocks it filled; return the requests that finished, in that order. A request
         finished since the step was scheduled (an abort, or a stop found in the step before) is
-        skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given)."""
+        skipped: what the step computed for it is discarded (and it is appended to `skipped`, if given).
+        A row that verified drafts emitted the tokens of its run in `runs` (by request id): they are
+        appended one by one, each checked for a stop as a sampled token is, and the run is cut to those
+        appended; the request's computed tokens roll back to those its verified tokens fill."""
         finished = []
         block_manager = self.block_manager
         # Blocks to register in the prefix cache: a running request's computed tokens fill one past
@@ -261,6 +304,12 @@ class Scheduler:
             if status is not _RUNNING and status.is_finished:  # (else running, or preempted since it was scheduled)
                 if skipped is not None:
                     skipped.append(request)
+                continue
+            if runs and request.request_id in runs:
+                if self._append_run(request, runs[request.request_id]):
+                    finished.append(request)
+                elif caching and request.num_computed_tokens >= (request.num_registered_blocks + 1) * block_size:
+                    block_manager.cache_full_blocks(request)  # the verified tokens' blocks alone
                 continue
             if samples:
                 request.num_output_placeholders -= 1
@@ -280,6 +329,24 @@ class Scheduler:
                     self.finish_request(request.request_id, stop_status)
                     finished.append(request)
         return finished
+
+    def _append_run(self, request: Request, run: list[int]) -> bool:
+        """Append a verified run (accepted drafts, then the token sampled after them) up to the first
+        token that stops the request, cutting the run there; whether it finished."""
+        request.num_output_placeholders -= 1
+        if request.first_token_time is None:
+            request.first_token_time = self.clock()
+        for count, token_id in enumerate(run, 1):
+            request.append_output_token(token_id)
+            if len(request.all_token_ids) >= request.max_num_tokens or token_id in request.stop_check_ids:
+                stop_status = self._stop_status(request)
+                if stop_status is not None:
+                    del run[count:]
+                    self.finish_request(request.request_id, stop_status)
+                    return True
+        # KV is written for every token but the newest; the rejected drafts' slots are overwritten later.
+        request.num_computed_tokens = len(request.all_token_ids) - 1
+        return False
 
     def _num_new_tokens(
         self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0
@@ -327,6 +394,7 @@ class Scheduler:
         )
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

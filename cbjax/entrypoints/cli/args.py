@@ -93,6 +93,11 @@ def add_engine_args(
         help="on a CPU: float32 projection weights packed at load for the C++ matmul kernel "
              "(--no-cpu-packed-weights: XLA's dots); default: on",
     )
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding, as JSON (vLLM\'s form): \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4}\' or method "suffix"; default: off',
+    )
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
@@ -105,7 +110,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
         "enable_expert_parallel "
-        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
+        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights speculative_config coordinator num_processes process_id"
     ).split()
     return {name: getattr(args, name) for name in names}
 

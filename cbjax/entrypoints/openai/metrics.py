@@ -8,6 +8,7 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import HistogramMetricFamily
@@ -66,6 +67,32 @@ class CountedHistogram:
         yield family
 
 
+class SpecDecodeCounters:
+    """vLLM's speculative-decoding counters, advanced by the engine's cumulative ones (get_stats())."""
+
+    NAMES = {"num_drafts": "Number of spec decoding drafts.",
+             "num_draft_tokens": "Number of draft tokens.",
+             "num_accepted_tokens": "Number of accepted tokens."}
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_speculative_tokens: int):
+        model = {"model_name": model_name}
+        self.counters = {name: Counter(f"vllm:spec_decode_{name}", doc, ["model_name"], registry=registry).labels(**model)
+                         for name, doc in self.NAMES.items()}
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                          ["model_name", "position"], registry=registry)
+        self.per_pos = [per_pos.labels(position=str(p), **model) for p in range(num_speculative_tokens)]
+        self.seen = {name: 0 for name in self.NAMES} | {"per_pos": [0] * num_speculative_tokens}
+
+    def record(self, stats: dict[str, Any]) -> None:
+        for name, counter in self.counters.items():
+            counter.inc(stats[f"spec_decode_{name}"] - self.seen[name])
+            self.seen[name] = stats[f"spec_decode_{name}"]
+        per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+        for counter, now, before in zip(self.per_pos, per_pos, self.seen["per_pos"]):
+            counter.inc(now - before)
+        self.seen["per_pos"] = list(per_pos)
+
+
 class PrometheusStatLogger:
     """Fed each engine step's IterationStats (a core client's StatLogger); read by GET /metrics."""
 
@@ -115,6 +142,8 @@ class PrometheusStatLogger:
                                           [b for b in step_buckets if b <= max_num_batched_tokens])
         self.preemptions_seen = 0
         self.prefix_cache_seen = (0, 0)  # the engine's (queries, hits) already counted
+        spec = config.speculative_config
+        self.spec_decode = None if spec is None else SpecDecodeCounters(r, model_name, spec.num_speculative_tokens)
 
     def record_step(self, iteration: IterationStats) -> None:
         stats = iteration.engine_stats
@@ -127,6 +156,8 @@ class PrometheusStatLogger:
         self.prefix_cache_queries.inc(queries - self.prefix_cache_seen[0])
         self.prefix_cache_hits.inc(hits - self.prefix_cache_seen[1])
         self.prefix_cache_seen = (queries, hits)
+        if self.spec_decode is not None:
+            self.spec_decode.record(stats)
         if iteration.num_step_tokens:
             self.iteration_tokens.observe(iteration.num_step_tokens)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
