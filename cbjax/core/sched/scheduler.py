@@ -48,6 +48,7 @@ class Scheduler:
         max_num_prefills: int | None = None,
         scheduling_policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int | None = None,
     ):
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -92,6 +93,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_prefills = max_num_prefills
         self.clock = clock
+        self.max_loras = max_loras  # LoRA adapters the running requests may use at once (None: no LoRA)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: RequestQueue = make_request_queue(scheduling_policy)
         self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
@@ -220,6 +222,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.lora_request is not None and not self._lora_fits(request.lora_request):
+                break  # its adapter needs a device slot that running requests hold (vLLM's max_loras rule)
             computed_blocks = self.block_manager.get_computed_blocks(request)
             num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left, num_cached_tokens)
@@ -280,6 +284,12 @@ class Scheduler:
                     self.finish_request(request.request_id, stop_status)
                     finished.append(request)
         return finished
+
+    def _lora_fits(self, lora_request) -> bool:
+        """Whether a request under `lora_request` may run beside the running ones: its adapter is theirs,
+        or they use fewer than max_loras adapters."""
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora_request.lora_int_id in running or len(running) < self.max_loras
 
     def _num_new_tokens(
         self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0

@@ -93,6 +93,11 @@ def add_engine_args(
         help="on a CPU: float32 projection weights packed at load for the C++ matmul kernel "
              "(--no-cpu-packed-weights: XLA's dots); default: on",
     )
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters beside the base model (requests name them; see --lora-modules)")
+    parser.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once (a step mixes this many)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept read on the host (default: --max-loras)")
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
@@ -105,7 +110,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
         "enable_expert_parallel "
-        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id"
+        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights coordinator num_processes process_id "
+        "enable_lora max_loras max_lora_rank max_cpu_loras"
     ).split()
     return {name: getattr(args, name) for name in names}
 
