@@ -112,6 +112,14 @@ class EngineCore:
         return (len(completions) > 1 and self.config.enable_prefix_caching
                 and not computes_whole_prompt(completions[0].sampling_params))
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter onto the host now (vLLM's add_lora); ValueError if it is bad."""
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (requests running under it finish under it); False if none has that id."""
+        return self.runner.remove_lora(lora_int_id)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Finish an unfinished request as aborted and free what it holds; None if unknown or finished."""
         return self._finish(request_id, RequestStatus.FINISHED_ABORTED)

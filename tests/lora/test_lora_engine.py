@@ -8,6 +8,7 @@ three adapters and the base run in one step.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from helpers_hf import load_hf_model
 from tiny_checkpoint import make_tiny_checkpoint
 from tiny_llm import llm, tiny  # noqa: F401 (module fixtures: the shared engine without LoRA)
 
-from cbjax import LLM, LoRARequest, SamplingParams
+from cbjax import LLM, AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
 
 NUM_TOKENS = 6
 # name -> (rank, target modules, rsLoRA)
@@ -141,3 +142,29 @@ def test_lora_request_without_enable_lora_is_refused(llm, tmp_path):
         llm.generate({"prompt_token_ids": [5]}, lora_request=LoRARequest("any", 1, str(tmp_path)), use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
         LoRARequest("zero", 0, str(tmp_path))
+
+
+def test_async_llm_serves_adapters_side_by_side_and_loads_and_forgets_them(qwen3):
+    """Last in the module: AsyncLLM takes the engine over (its core thread steps it from now on)."""
+    async_llm = AsyncLLM.from_engine(qwen3.llm.llm_engine)
+    prompts, names = random_prompts(5, [6, 9, 4]), ["everything", None, "mlp-up-down"]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(index: int) -> list[int]:
+        stream = async_llm.generate({"prompt_token_ids": prompts[index]}, params, f"async-{index}",
+                                    lora_request=qwen3.requests[names[index]])
+        return [list(output.outputs[0].token_ids) async for output in stream][-1]
+
+    async def scenario() -> list[list[int]]:
+        fresh = LoRARequest("attn-qv-again", 7, qwen3.requests["attn-qv"].lora_path)
+        await async_llm.add_lora(fresh)
+        assert await async_llm.remove_lora(7) and not await async_llm.remove_lora(7)
+        with pytest.raises(ValueError, match="'nowhere'"):
+            await async_llm.add_lora(LoRARequest("nowhere", 8, "/nonexistent/adapter"))
+        return await asyncio.gather(*(one(index) for index in range(len(prompts))))
+
+    try:
+        tokens = asyncio.run(scenario())
+    finally:
+        async_llm.shutdown()
+    assert tokens == [greedy(qwen3.references[name], prompt, NUM_TOKENS) for prompt, name in zip(prompts, names)]
