@@ -77,7 +77,9 @@ class LoRASlotTable:
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter on the host (its slot is reused once no row uses it); False if unknown."""
+        """Forget an adapter on the host and its slot (a request still running under it reads it again
+        when its row is next prepared); False if unknown."""
+        self.resident.pop(lora_int_id, None)
         return self.adapters.pop(lora_int_id, None) is not None
 
     def step_slots(self, lora_requests: Sequence[LoRARequest | None]) -> list[int]:

@@ -12,15 +12,20 @@ import asyncio
 import copy
 from pathlib import Path
 
+import httpx
 import peft
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from engine_helpers import COMPILES, ENGINE_OPTIONS, random_prompts
 from helpers_hf import load_hf_model
 from tiny_checkpoint import make_tiny_checkpoint
 from tiny_llm import llm, tiny  # noqa: F401 (module fixtures: the shared engine without LoRA)
 
 from cbjax import LLM, AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
+from cbjax.entrypoints.openai.app import build_app
+from cbjax.entrypoints.openai.lora_adapters import ALLOW_RUNTIME_UPDATING, load_adapter
+from cbjax.entrypoints.openai.serving import ServerState
 
 NUM_TOKENS = 6
 # name -> (rank, target modules, rsLoRA)
@@ -144,27 +149,74 @@ def test_lora_request_without_enable_lora_is_refused(llm, tmp_path):
         LoRARequest("zero", 0, str(tmp_path))
 
 
-def test_async_llm_serves_adapters_side_by_side_and_loads_and_forgets_them(qwen3):
-    """Last in the module: AsyncLLM takes the engine over (its core thread steps it from now on)."""
+@pytest.fixture(scope="module")
+def async_qwen3(qwen3) -> AsyncLLM:
+    """AsyncLLM over the Qwen3 engine, for the tests below (its core thread steps the engine from then on)."""
     async_llm = AsyncLLM.from_engine(qwen3.llm.llm_engine)
+    yield async_llm
+    async_llm.shutdown()
+
+
+def test_async_llm_serves_adapters_side_by_side_and_loads_and_forgets_them(qwen3, async_qwen3):
     prompts, names = random_prompts(5, [6, 9, 4]), ["everything", None, "mlp-up-down"]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def one(index: int) -> list[int]:
-        stream = async_llm.generate({"prompt_token_ids": prompts[index]}, params, f"async-{index}",
-                                    lora_request=qwen3.requests[names[index]])
+        stream = async_qwen3.generate({"prompt_token_ids": prompts[index]}, params, f"async-{index}",
+                                      lora_request=qwen3.requests[names[index]])
         return [list(output.outputs[0].token_ids) async for output in stream][-1]
 
     async def scenario() -> list[list[int]]:
-        fresh = LoRARequest("attn-qv-again", 7, qwen3.requests["attn-qv"].lora_path)
-        await async_llm.add_lora(fresh)
-        assert await async_llm.remove_lora(7) and not await async_llm.remove_lora(7)
+        await async_qwen3.add_lora(LoRARequest("attn-qv-again", 7, qwen3.requests["attn-qv"].lora_path))
+        assert await async_qwen3.remove_lora(7) and not await async_qwen3.remove_lora(7)
         with pytest.raises(ValueError, match="'nowhere'"):
-            await async_llm.add_lora(LoRARequest("nowhere", 8, "/nonexistent/adapter"))
+            await async_qwen3.add_lora(LoRARequest("nowhere", 8, "/nonexistent/adapter"))
         return await asyncio.gather(*(one(index) for index in range(len(prompts))))
 
-    try:
-        tokens = asyncio.run(scenario())
-    finally:
-        async_llm.shutdown()
+    tokens = asyncio.run(scenario())
     assert tokens == [greedy(qwen3.references[name], prompt, NUM_TOKENS) for prompt, name in zip(prompts, names)]
+
+
+def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_allowed(qwen3, async_qwen3, monkeypatch):
+    """`model` picks the adapter; /v1/models lists adapters with their parent; the runtime endpoints exist
+    only with CBJAX_ALLOW_RUNTIME_LORA_UPDATING, behind the API key; unknown names are 404."""
+    prompt = random_prompts(6, [7])[0]
+    state = ServerState(async_qwen3, "base", 128, None, last_lora_int_id=100)  # the ids above 100 are the server's
+
+    async def talk(app, calls: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
+        headers = {"Authorization": "Bearer sesame"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers) as client:
+            return [await (client.get(path) if method == "GET" else client.post(path, json=body))
+                    for method, path, body in calls]
+
+    closed = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
+    asyncio.run(load_adapter(state, "sql", qwen3.requests["everything"].lora_path))  # as --lora-modules sql=PATH
+    monkeypatch.setenv(ALLOW_RUNTIME_UPDATING, "true")
+    app = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
+    completion = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    load = {"lora_name": "up-down", "lora_path": qwen3.requests["mlp-up-down"].lora_path}
+    (forbidden,) = asyncio.run(talk(closed, [("POST", "/v1/load_lora_adapter", load)]))
+    responses = asyncio.run(talk(app, [
+        ("POST", "/v1/load_lora_adapter", load),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {**completion, "model": "sql"}),
+        ("POST", "/v1/completions", {**completion, "model": "up-down"}),
+        ("POST", "/v1/completions", {**completion, "model": "base"}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "up-down"}),
+        ("POST", "/v1/completions", {**completion, "model": "up-down"}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "up-down"}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": "/nonexistent"}),
+    ]))
+    assert forbidden.status_code == 404
+    assert [r.status_code for r in responses] == [200, 200, 200, 200, 200, 200, 404, 404, 400]
+    cards = {card["id"]: card.get("parent") for card in responses[1].json()["data"]}
+    assert cards == {"base": None, "sql": "base", "up-down": "base"}
+    texts = [r.json()["choices"][0]["text"] for r in responses[2:5]]
+    tokenizer = async_qwen3.get_tokenizer()
+    # Each is peft's greedy continuation under that adapter, decoded (a trailing partial UTF-8 character is held back).
+    expected = [tokenizer.decode(greedy(qwen3.references[name], prompt, NUM_TOKENS))
+                for name in ["everything", "mlp-up-down", None]]
+    assert all(full.startswith(text) and len(full) - len(text) <= 1 for text, full in zip(texts, expected)), (texts, expected)
+    assert len(set(expected)) == 3
+    assert "`up-down` does not exist" in responses[6].json()["error"]["message"]
+    assert "'broken'" in responses[8].json()["error"]["message"]

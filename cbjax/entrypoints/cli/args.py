@@ -146,6 +146,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
              "(vLLM's layout); --no-engine-process: the engine core in a thread of this process; multi-host "
              "leaders always use the thread",
     )
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served under NAME: a request's `model` picks one "
+                             "(needs --enable-lora)")
     parser.add_argument("--max-request-bytes", type=int, default=10 * 2**20, help="413 for larger request bodies")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")

@@ -36,7 +36,7 @@ from cbjax.outputs import CompletionOutput, RequestOutput
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request: Request) -> Response:
-    serving.check_model(state, body.model)
+    lora_request = serving.check_model(state, body.model)
     serving.check_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true; set it or drop top_logprobs",
@@ -58,7 +58,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         params, tool_parser = dataclasses.replace(params, structured_outputs=forced[0]), forced[1]
     serving.check_engine_request(state, [prompt], [params], body.priority)
     request_id = random_id("chatcmpl")
-    outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority)
+    outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority, lora_request=lora_request)
     if body.stream:
         return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs, tool_parser),
                               outputs)

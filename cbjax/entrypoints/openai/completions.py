@@ -22,7 +22,7 @@ from cbjax.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request) -> Response:
-    serving.check_model(state, body.model)
+    lora_request = serving.check_model(state, body.model)
     serving.check_fields(body)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo=true with logprobs needs the prompt's logprobs, which this server does not "
@@ -34,7 +34,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     params = [serving.sampling_params(body, limit, body.logprobs) for limit in max_tokens]
     serving.check_engine_request(state, prompts, params, body.priority)
     request_id = random_id("cmpl")
-    outputs = await serving.admit(state, prompts, params, request_id, priority=body.priority)
+    outputs = await serving.admit(state, prompts, params, request_id, priority=body.priority, lora_request=lora_request)
     if body.stream:
         return serving.stream(_stream(state, body, request_id, prompts, outputs), outputs)
     work = _collect(state, body, request_id, prompts, outputs)
