@@ -77,7 +77,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     )
     config.resolve(mc.max_position_embeddings)
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
-        attach_lora(model, mc, config.max_loras + 1, config.max_lora_rank)
+        attach_lora(model, mc, config.max_loras, config.max_lora_rank)
     backend = resolve_backend(
         config.attention_backend,
         num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads

@@ -1,6 +1,6 @@
 """Which LoRA adapter each device slot holds, and the adapters read on the host (vLLM's LoRA manager).
 
-Slot 0 of every LoRA projection is zeros (the base model); slots 1..max_loras hold adapters. A step's
+Slot 0 is the base model (no factors); slots 1..max_loras hold adapters (row slot - 1 of each projection's arrays). A step's
 rows name their adapters; one not resident takes a free slot, else the least recently used slot whose
 adapter no row of this step uses (the scheduler admits at most max_loras adapters among running
 requests, so there is one). Writing a slot changes only array values: the host keeps a copy of every
@@ -21,20 +21,19 @@ from flax import nnx
 
 from cbjax.lora.peft import LoRAAdapter, read_peft_adapter
 from cbjax.lora.request import LoRARequest
-from cbjax.models.layers.lora import LoRASlots, lora_modules
+from cbjax.models.layers.lora import lora_modules
 from cbjax.worker.weight_stacks import WeightStacks
 
 
 @dataclasses.dataclass
 class _SlotArrays:
-    """One LoRA projection: its layer, parts, and host copies of its a and b (and their index in a step's weights)."""
+    """One LoRA projection: its layer, parts, and host copies of its a and each part's b, with each
+    array's index among a step's weights."""
 
     layer: int
-    slots: LoRASlots
-    a: np.ndarray
-    b: np.ndarray
-    a_index: int
-    b_index: int
+    parts: tuple[tuple[str, int], ...]
+    arrays: list[np.ndarray]  # a [parts, slots, rank, in], then b [slots, rank, part_out] per part
+    indices: list[int]
 
 
 class LoRASlotTable:
@@ -45,19 +44,20 @@ class LoRASlotTable:
         # A LoRA array's place among the step's weights: its place in the flat state, kept by WeightStacks
         # (only vectors are stacked).
         flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-        paths = {tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)[:-1]: index
-                 for index, (path, _) in enumerate(flat)}
+        key = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))  # noqa: E731 (dict, list, attribute)
+        paths = {tuple(map(key, path))[:-1]: index for index, (path, _) in enumerate(flat)}  # (without the trailing .value)
         step_index = {entry: position for position, entry in enumerate(weight_stacks.entries) if isinstance(entry, int)}
         modules = {id(module): tuple(path) for path, module in nnx.iter_modules(model)}
-        self.projections = [
-            _SlotArrays(layer, slots, np.array(slots.a[...]), np.array(slots.b[...]),
-                        step_index[paths[(*modules[id(slots)], "a")]], step_index[paths[(*modules[id(slots)], "b")]])
-            for layer, slots in lora_modules(model)
-        ]
+        self.projections = []
+        for layer, slots in lora_modules(model):
+            names = [("a",), *(("b", j) for j in range(len(slots.parts)))]
+            self.projections.append(_SlotArrays(
+                layer, slots.parts, [np.array(slots.a[...]), *(np.array(b[...]) for b in slots.b)],
+                [step_index[paths[(*modules[id(slots)], *name)]] for name in names]))
         if not self.projections:
             raise ValueError("enable_lora: the model has no LoRA projections; build it with attach_lora first")
         # (layer, checkpoint projection) -> (in, out): what an adapter's factors must match.
-        self.shapes = {(p.layer, part): (p.a.shape[2], width) for p in self.projections for part, width in p.slots.parts}
+        self.shapes = {(p.layer, part): (p.arrays[0].shape[3], width) for p in self.projections for part, width in p.parts}
         self.adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # host cache, LRU first
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU first
         self.dirty = False  # host copies changed since the device's were put
@@ -109,16 +109,14 @@ class LoRASlotTable:
         self.dirty = True
 
     def _write(self, projection: _SlotArrays, slot: int, adapter: LoRAAdapter) -> None:
-        """Part j's factors into rows j * rank.. of the slot, B into the part's own columns (zeros elsewhere)."""
-        a, b, rank = projection.a[slot], projection.b[slot], projection.slots.rank
-        a[...], b[...], column = 0, 0, 0
-        for j, (part, width) in enumerate(projection.slots.parts):
+        """Each part's factors into the slot's first r rank rows (zeros elsewhere: a lower rank, or a part not adapted)."""
+        a, *bs = projection.arrays
+        for j, (part, _) in enumerate(projection.parts):
+            a[j, slot - 1], bs[j][slot - 1] = 0, 0
             factors = adapter.factors.get((projection.layer, part))
             if factors is not None:
-                r = factors[0].shape[0]
-                a[j * rank : j * rank + r] = factors[0]
-                b[j * rank : j * rank + r, column : column + width] = factors[1]
-            column += width
+                rank = factors[0].shape[0]
+                a[j, slot - 1, :rank], bs[j][slot - 1, :rank] = factors
 
     def put(self, step_weights: list[jax.Array]) -> None:
         """Replace the step's LoRA arrays with the host's copies if any slot changed (new arrays: a step
@@ -126,6 +124,6 @@ class LoRASlotTable:
         if not self.dirty:
             return
         for projection in self.projections:
-            for index, host in ((projection.a_index, projection.a), (projection.b_index, projection.b)):
+            for index, host in zip(projection.indices, projection.arrays):
                 step_weights[index] = jax.device_put(host.astype(step_weights[index].dtype), step_weights[index].sharding)
         self.dirty = False

@@ -1,9 +1,9 @@
-"""Batched multi-LoRA on the decoder's projections: every slot's factors on the device, one slot per token.
+"""Batched multi-LoRA on the decoder's projections: every adapter slot's factors on the device, one slot per token.
 
-A projection with LoRA slots adds, for each token, x @ A[s].T @ B[s] of its slot s (slot 0 holds zeros:
-the base model). One step's tokens may use different slots; `lora_delta` computes all of them at once.
-A fused projection (qkv_proj, gate_up_proj) holds its parts' factors side by side: A's rows part by
-part, B block-diagonal (each part's rows write only its own columns), so the product is exact.
+A projection with LoRA slots adds, for each token, x @ A[s].T @ B[s] of its slot s; slot 0 is the base
+model, which adds nothing (it has no row: its tokens match none). One step's tokens may use different
+slots; `lora_delta` computes all of them at once. A fused projection (qkv_proj, gate_up_proj) holds
+its parts' A side by side (one dot in) and a B per part (one dot out each, into its own columns).
 """
 
 from __future__ import annotations
@@ -25,37 +25,38 @@ class LoRATokenSlots(nnx.Variable):
 
 
 def lora_delta(
-    x: Float[Array, "tokens in"], a: Float[Array, "slots rank in"], b: Float[Array, "slots rank out"],
+    x: Float[Array, "tokens in"], a: Float[Array, "parts slots rank in"], bs: list[Float[Array, "slots rank part_out"]],
     token_slots: Int[Array, "tokens"],
 ) -> Float[Array, "tokens out"]:
-    """sum over slots s of [token in s] * (x @ a[s].T) @ b[s]: one dot into every slot's rank columns,
-    the other slots' columns zeroed per token, one dot out. Exact, and two dots whatever the mix;
-    it costs slots x rank columns a token (the alternative, jax.lax.ragged_dot over tokens sorted by
-    slot, pays a sort and an unsort per projection)."""
-    num_slots, rank, fan_in = a.shape
-    xa = jnp.dot(x.astype(a.dtype), a.reshape(num_slots * rank, fan_in).T, preferred_element_type=x.dtype)
-    mine = token_slots[:, None] == jnp.arange(num_slots * rank, dtype=token_slots.dtype)[None, :] // rank
-    return jnp.dot(jnp.where(mine, xa, 0).astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=x.dtype)
+    """Per token, its slot's (x @ A.T) @ B for every part, the parts' columns side by side (slot 0: zeros).
+
+    One dot into every slot's rank columns, the columns of the token's other slots zeroed, one dot out
+    per part. Exact, and the same dots whatever the mix of slots; it reads every slot's factors, which
+    for a few resident adapters costs less than gathering each token's own (jax.lax.ragged_dot over
+    tokens sorted by slot pays a sort and an unsort per projection)."""
+    num_parts, num_slots, rank, fan_in = a.shape
+    xa = jnp.dot(x.astype(a.dtype), a.reshape(-1, fan_in).T, preferred_element_type=x.dtype)
+    mine = token_slots[:, None] - 1 == jnp.arange(num_slots * rank, dtype=token_slots.dtype)[None, :] // rank
+    xa = jnp.where(mine[:, None, :], xa.reshape(-1, num_parts, num_slots * rank), 0)
+    return jnp.concatenate([jnp.dot(xa[:, j].astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=x.dtype)
+                            for j, b in enumerate(bs)], axis=-1)
 
 
 class LoRASlots(nnx.Module):
-    """One projection's LoRA factors in every slot: a [slots, parts * rank, in], b [slots, parts * rank, out].
-
-    `parts`: the checkpoint projections it holds ("self_attn.q_proj", ...) and each one's output
-    columns, in order; part j's factors take rows j * rank ... (j + 1) * rank."""
+    """One projection's LoRA factors in every adapter slot: a [parts, slots, rank, in], and per part
+    b [slots, rank, part_out]. `parts`: the checkpoint projections it holds ("self_attn.q_proj", ...)
+    and each one's output columns, in order. Slot s (1..slots) is row s - 1."""
 
     def __init__(self, num_slots: int, rank: int, fan_in: int, parts: tuple[tuple[str, int], ...], dtype: jnp.dtype):
-        self.rank = rank
         self.parts = parts
-        width = rank * len(parts)
-        self.a = LoRAWeight(jnp.zeros((num_slots, width, fan_in), dtype))
-        self.b = LoRAWeight(jnp.zeros((num_slots, width, sum(out for _, out in parts)), dtype))
+        self.a = LoRAWeight(jnp.zeros((len(parts), num_slots, rank, fan_in), dtype))
+        self.b = nnx.List([LoRAWeight(jnp.zeros((num_slots, rank, width), dtype)) for _, width in parts])
         self.token_slots: LoRATokenSlots | None = nnx.data(None)  # data: set to a Variable inside the step
 
     def __call__(self, x: Float[Array, "tokens in"]) -> Float[Array, "tokens out"]:
         if self.token_slots is None:
             raise RuntimeError("a LoRA projection was called without token slots; call set_token_slots(model, ...) first")
-        return lora_delta(x, self.a[...], self.b[...], self.token_slots[...])
+        return lora_delta(x, self.a[...], [b[...] for b in self.b], self.token_slots[...])
 
 
 def projection_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -71,8 +72,9 @@ def projection_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ..
 
 
 def attach_lora(model: nnx.Module, config: ModelConfig, num_slots: int, rank: int) -> dict[tuple[int, str], int]:
-    """Give every dense q/k/v/o and gate/up/down projection of `model`'s layers `num_slots` LoRA slots of
-    `rank` (zeros). Returns the fan-in of each (layer, checkpoint projection) an adapter may target."""
+    """Give every dense q/k/v/o and gate/up/down projection of `model`'s layers `num_slots` adapter slots
+    of `rank` (zeros), beside slot 0 (the base model). Returns the fan-in of each (layer, checkpoint
+    projection) an adapter may target."""
     parts_of = projection_parts(config)
     fan_ins = {}
     for index, layer in enumerate(model.model.layers):
