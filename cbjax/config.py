@@ -111,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.enable_lora and self.num_processes > 1:
+            raise ValueError(f"enable_lora is not supported with num_processes={self.num_processes} (multi-host): "
+                             "adapter slots are written by the serving process alone; serve LoRA from one process")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every adapter on the "
                              "device is kept on the host too; raise max_cpu_loras or leave it None (= max_loras)")

@@ -77,6 +77,10 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     )
     config.resolve(mc.max_position_embeddings)
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
+        if tensor_parallel is not None and tensor_parallel.kv_repeats > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size} above the model's "
+                             f"{mc.num_key_value_heads // tensor_parallel.kv_repeats} KV heads is not supported (the k/v "
+                             "adapters would need their heads repeated too); use a tensor_parallel_size up to the KV heads")
         attach_lora(model, mc, config.max_loras, config.max_lora_rank)
     backend = resolve_backend(
         config.attention_backend,

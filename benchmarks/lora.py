@@ -1,0 +1,121 @@
+"""Multi-LoRA throughput: a batch spread over 4 adapters against the base model alone: `python -m benchmarks.lora`.
+
+Random PEFT adapters (ranks 8, 12, 16, 16 on all seven projections, written here as PEFT saves them)
+for the model at `--model`. Two engines in one process: the base model without LoRA, and the same
+model with enable_lora (max_loras=4, max_lora_rank=16). Decode-heavy requests (short random prompts,
+`--output-len` tokens each, EOS ignored) at each `--num-seqs`: output tokens/s of the base engine, of
+the LoRA engine with every request on the base model, and of the LoRA engine with the requests spread
+over the 4 adapters in turn. The engines alternate round by round (load from other processes falls on
+all alike); the median round is reported. A resident adapter's cost is stated as the bytes of one
+slot and the multiply-adds it adds to every token (every token reads every slot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from cbjax import LLM, LoRARequest, SamplingParams
+from cbjax.bench.common import print_table, write_json
+
+RANKS = [8, 12, 16, 16]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def projection_shapes(config: dict) -> dict[str, tuple[str, int, int]]:
+    """PEFT target -> (module path in a layer, in, out) from an HF config.json."""
+    hidden, inner, head_dim = config["hidden_size"], config["intermediate_size"], config.get("head_dim")
+    head_dim = head_dim or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {"q_proj": ("self_attn.q_proj", hidden, q), "k_proj": ("self_attn.k_proj", hidden, kv),
+            "v_proj": ("self_attn.v_proj", hidden, kv), "o_proj": ("self_attn.o_proj", q, hidden),
+            "gate_proj": ("mlp.gate_proj", hidden, inner), "up_proj": ("mlp.up_proj", hidden, inner),
+            "down_proj": ("mlp.down_proj", inner, hidden)}
+
+
+def write_adapter(folder: Path, config: dict, rank: int, seed: int) -> None:
+    """A random rank-`rank` adapter on every projection, in PEFT's files."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, fan_in, fan_out in projection_shapes(config).values():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, fan_in ** -0.5, (rank, fan_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.01, (fan_out, rank)).astype(np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
+
+
+def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: int, seed: int,
+                        adapters: list[LoRARequest | None]) -> float:
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(100, 10_000, size=prompt_len).tolist()} for _ in range(num_seqs)]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    lora = [adapters[i % len(adapters)] for i in range(num_seqs)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine and batch size")
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args()
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.prompt_len + args.output_len + 16,
+                   max_num_batched_tokens=512)
+    adapter_dir = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    adapters = []
+    for index, rank in enumerate(RANKS):
+        write_adapter(adapter_dir / f"adapter-{index}", config, rank, seed=index)
+        adapters.append(LoRARequest(f"adapter-{index}", index + 1, str(adapter_dir / f"adapter-{index}")))
+    engines = {}
+    for name, lora in (("base", {}), ("lora", dict(enable_lora=True, max_loras=len(RANKS), max_lora_rank=max(RANKS)))):
+        start = time.perf_counter()
+        engines[name] = LLM(args.model, **lora, **options)
+        print(f"{name}: engine built in {time.perf_counter() - start:.0f} s", flush=True)
+    runs = {"base engine, base model": (engines["base"], [None]),
+            "lora engine, base model": (engines["lora"], [None]),
+            f"lora engine, {len(adapters)} adapters": (engines["lora"], adapters)}
+
+    rows = []
+    for num_seqs in args.num_seqs:
+        rates = {name: [] for name in runs}
+        for round_index in range(args.rounds + 1):  # round 0 warms every engine up and is not counted
+            for name, (llm, lora) in runs.items():
+                rate = output_tokens_per_s(llm, num_seqs, args.output_len, args.prompt_len, round_index, lora)
+                if round_index:
+                    rates[name].append(rate)
+        base = statistics.median(rates["base engine, base model"])
+        rows += [{"num_seqs": num_seqs, "run": name, "output_tok_s": statistics.median(r),
+                  "vs_base": statistics.median(r) / base, "rounds": " ".join(f"{x:.0f}" for x in r)}
+                 for name, r in rates.items()]
+    print_table(rows, ["num_seqs", "run", "output_tok_s", "vs_base", "rounds"])
+
+    table = engines["lora"].llm_engine.runner.lora
+    slot_bytes = sum(array.nbytes for p in table.projections for array in p.arrays) // len(RANKS)
+    # Each token multiplies through every slot's factors: in + out per rank row, per projection and layer.
+    slot_macs = sum(max(RANKS) * (fan_in + fan_out) for _, fan_in, fan_out in projection_shapes(config).values())
+    slot_macs *= config["num_hidden_layers"]
+    print(f"one more resident adapter (rank {max(RANKS)}): {slot_bytes / 2**20:.1f} MiB of device memory, "
+          f"{slot_macs / 1e6:.1f} M multiply-adds per token")
+    write_json(args.result_json, {"speed": rows, "adapter_ranks": RANKS, "targets": TARGETS, "options": options,
+                                  "slot_bytes": slot_bytes, "slot_macs_per_token": slot_macs})
+
+
+if __name__ == "__main__":
+    main()
