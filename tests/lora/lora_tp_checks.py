@@ -29,7 +29,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11, 8, 64, 33, 90], [12, 13], [200, 100,
 
 def main() -> None:
     root = Path(tempfile.mkdtemp())
-    hf_dir, checkpoint = make_tiny_checkpoint(root, "llama")
+    hf_dir, checkpoint = make_tiny_checkpoint(root, "qwen3")  # q wider than hidden, q/k norms
     references = make_adapters(root, hf_dir)
     names = [None, *ADAPTERS]
     requests = [None, *(LoRARequest(name, index + 1, str(root / name)) for index, name in enumerate(ADAPTERS))]

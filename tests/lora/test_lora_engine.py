@@ -1,9 +1,9 @@
 """Multi-LoRA serving end to end against transformers + peft (the adapters are made by peft here, with
 random A and B, and applied by peft unmerged): each request gets exactly the greedy tokens of its adapter.
 
-Two tiny architectures: Llama (q/k/v and gate/up fused at load) with max_loras=2, so three adapters and
-the base share the engine by reusing slots; Qwen3 (q wider than hidden, q/k norms) with max_loras=3, so
-three adapters and the base run in one step.
+A tiny Llama (q/k/v and gate/up fused at load) with max_loras=2, so three adapters and the base share
+the engine by reusing slots. The second architecture, Qwen3 (q wider than hidden, q/k norms), runs three
+adapters and the base in one step under tensor parallelism (test_lora_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry
 from engine_helpers import COMPILES, ENGINE_OPTIONS, random_prompts
 from helpers_hf import load_hf_model
 from tiny_checkpoint import make_tiny_checkpoint
-from tiny_llm import llm, tiny  # noqa: F401 (module fixtures: the shared engine without LoRA)
 
 from cbjax import LLM, AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
+from cbjax.config import EngineConfig
+from cbjax.engine.llm_engine import LLMEngine
 from cbjax.entrypoints.openai.app import build_app
 from cbjax.entrypoints.openai.lora_adapters import ALLOW_RUNTIME_UPDATING, load_adapter
 from cbjax.entrypoints.openai.serving import ServerState
@@ -79,17 +80,6 @@ def llama(tmp_path_factory) -> Served:
     return Served(tmp_path_factory.mktemp("lora-llama"), "llama", max_loras=2)
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> Served:
-    return Served(tmp_path_factory.mktemp("lora-qwen3"), "qwen3", max_loras=3)
-
-
-def test_one_step_mixes_three_adapters_and_the_base_as_peft_does(qwen3):
-    """max_loras=3: all four requests run together, each under its own adapter (or none)."""
-    qwen3.check(random_prompts(1, [9, 5, 12, 7]), [None, "attn-qv", "everything", "mlp-up-down"])
-    assert qwen3.llm.llm_engine.runner.lora.resident.keys() == {1, 2, 3}
-
-
 def test_more_adapters_than_slots_reuse_slots_without_compiling(llama):
     """max_loras=2 with three adapters: the scheduler holds a request until a slot frees, the LRU
     evicts an idle adapter, and every request still gets its adapter's tokens; nothing compiles."""
@@ -141,47 +131,50 @@ def test_an_adapter_id_names_one_adapter(llama):
                            use_tqdm=False)
 
 
-def test_lora_request_without_enable_lora_is_refused(llm, tmp_path):
-    """The shared tiny engine (tiny_llm.py) has LoRA off."""
+def test_lora_request_without_enable_lora_is_refused(llama, tmp_path):
+    """Refused as it is added (an engine that compiles nothing: no step runs)."""
+    engine = LLMEngine(EngineConfig(model=llama.llm.llm_engine.config.model, **ENGINE_OPTIONS), precompile=False,
+                       progress=False)
     with pytest.raises(ValueError, match="without enable_lora; start it with enable_lora=True"):
-        llm.generate({"prompt_token_ids": [5]}, lora_request=LoRARequest("any", 1, str(tmp_path)), use_tqdm=False)
+        engine.add_request("r", {"prompt_token_ids": [5]}, lora_request=LoRARequest("any", 1, str(tmp_path)))
+    assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
         LoRARequest("zero", 0, str(tmp_path))
 
 
 @pytest.fixture(scope="module")
-def async_qwen3(qwen3) -> AsyncLLM:
+def async_llama(llama) -> AsyncLLM:
     """AsyncLLM over the Qwen3 engine, for the tests below (its core thread steps the engine from then on)."""
-    async_llm = AsyncLLM.from_engine(qwen3.llm.llm_engine)
+    async_llm = AsyncLLM.from_engine(llama.llm.llm_engine)
     yield async_llm
     async_llm.shutdown()
 
 
-def test_async_llm_serves_adapters_side_by_side_and_loads_and_forgets_them(qwen3, async_qwen3):
+def test_async_llm_serves_adapters_side_by_side_and_loads_and_forgets_them(llama, async_llama):
     prompts, names = random_prompts(5, [6, 9, 4]), ["everything", None, "mlp-up-down"]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def one(index: int) -> list[int]:
-        stream = async_qwen3.generate({"prompt_token_ids": prompts[index]}, params, f"async-{index}",
-                                      lora_request=qwen3.requests[names[index]])
+        stream = async_llama.generate({"prompt_token_ids": prompts[index]}, params, f"async-{index}",
+                                      lora_request=llama.requests[names[index]])
         return [list(output.outputs[0].token_ids) async for output in stream][-1]
 
     async def scenario() -> list[list[int]]:
-        await async_qwen3.add_lora(LoRARequest("attn-qv-again", 7, qwen3.requests["attn-qv"].lora_path))
-        assert await async_qwen3.remove_lora(7) and not await async_qwen3.remove_lora(7)
+        await async_llama.add_lora(LoRARequest("attn-qv-again", 7, llama.requests["attn-qv"].lora_path))
+        assert await async_llama.remove_lora(7) and not await async_llama.remove_lora(7)
         with pytest.raises(ValueError, match="'nowhere'"):
-            await async_qwen3.add_lora(LoRARequest("nowhere", 8, "/nonexistent/adapter"))
+            await async_llama.add_lora(LoRARequest("nowhere", 8, "/nonexistent/adapter"))
         return await asyncio.gather(*(one(index) for index in range(len(prompts))))
 
     tokens = asyncio.run(scenario())
-    assert tokens == [greedy(qwen3.references[name], prompt, NUM_TOKENS) for prompt, name in zip(prompts, names)]
+    assert tokens == [greedy(llama.references[name], prompt, NUM_TOKENS) for prompt, name in zip(prompts, names)]
 
 
-def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_allowed(qwen3, async_qwen3, monkeypatch):
+def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_allowed(llama, async_llama, monkeypatch):
     """`model` picks the adapter; /v1/models lists adapters with their parent; the runtime endpoints exist
     only with CBJAX_ALLOW_RUNTIME_LORA_UPDATING, behind the API key; unknown names are 404."""
     prompt = random_prompts(6, [7])[0]
-    state = ServerState(async_qwen3, "base", 128, None, last_lora_int_id=100)  # the ids above 100 are the server's
+    state = ServerState(async_llama, "base", 128, None, last_lora_int_id=100)  # the ids above 100 are the server's
 
     async def talk(app, calls: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
         headers = {"Authorization": "Bearer sesame"}
@@ -190,11 +183,11 @@ def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_al
                     for method, path, body in calls]
 
     closed = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
-    asyncio.run(load_adapter(state, "sql", qwen3.requests["everything"].lora_path))  # as --lora-modules sql=PATH
+    asyncio.run(load_adapter(state, "sql", llama.requests["everything"].lora_path))  # as --lora-modules sql=PATH
     monkeypatch.setenv(ALLOW_RUNTIME_UPDATING, "true")
     app = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
     completion = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    load = {"lora_name": "up-down", "lora_path": qwen3.requests["mlp-up-down"].lora_path}
+    load = {"lora_name": "up-down", "lora_path": llama.requests["mlp-up-down"].lora_path}
     (forbidden,) = asyncio.run(talk(closed, [("POST", "/v1/load_lora_adapter", load)]))
     responses = asyncio.run(talk(app, [
         ("POST", "/v1/load_lora_adapter", load),
@@ -212,9 +205,9 @@ def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_al
     cards = {card["id"]: card.get("parent") for card in responses[1].json()["data"]}
     assert cards == {"base": None, "sql": "base", "up-down": "base"}
     texts = [r.json()["choices"][0]["text"] for r in responses[2:5]]
-    tokenizer = async_qwen3.get_tokenizer()
+    tokenizer = async_llama.get_tokenizer()
     # Each is peft's greedy continuation under that adapter, decoded (a trailing partial UTF-8 character is held back).
-    expected = [tokenizer.decode(greedy(qwen3.references[name], prompt, NUM_TOKENS))
+    expected = [tokenizer.decode(greedy(llama.references[name], prompt, NUM_TOKENS))
                 for name in ["everything", "mlp-up-down", None]]
     assert all(full.startswith(text) and len(full) - len(text) <= 1 for text, full in zip(texts, expected)), (texts, expected)
     assert len(set(expected)) == 3

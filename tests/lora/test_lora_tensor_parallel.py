@@ -1,6 +1,6 @@
-"""LoRA under tensor parallelism over 2 virtual CPU devices: the adapters' factors split as the projections
-they adapt, a batch mixing three adapters and the base gives peft's greedy tokens, and every step lowers
-for CUDA with those shardings. The engine runs in a subprocess (lora_tp_checks.py): the device count is
+"""LoRA under tensor parallelism over 2 virtual CPU devices, on a tiny Qwen3: the adapters' factors split
+as the projections they adapt, one batch mixing three adapters (max_loras=3) and the base gives each
+request peft's greedy tokens, and every step lowers for CUDA with those shardings. The engine runs in a subprocess (lora_tp_checks.py): the device count is
 fixed when jax starts."""
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def test_mixed_adapters_under_tp_give_peft_greedy_tokens(findings):
 
 
 def test_lora_factors_split_as_the_projection_they_adapt(findings):
-    """Tiny llama: hidden 64, 4 heads x 16 (q 64), 2 KV heads (k, v 32), MLP 128; max_loras 3, rank 8; 2 devices."""
+    """Tiny Qwen3: hidden 64, 4 heads x 32 (q 128), 2 KV heads (k, v 64), MLP 128; max_loras 3, rank 8; 2 devices."""
     shards = {name.removeprefix("model.layers.0."): shapes for name, shapes in findings["shard_shapes"].items()}
     assert shards["self_attn.q_proj.lora.a"] == [[1, 3, 8, 64]]  # column-parallel: A whole
-    assert shards["self_attn.q_proj.lora.b.0"] == [[3, 8, 32]]  # B split by output columns
-    assert shards["self_attn.k_proj.lora.b.0"] == [[3, 8, 16]]
+    assert shards["self_attn.q_proj.lora.b.0"] == [[3, 8, 64]]  # B split by output columns
+    assert shards["self_attn.k_proj.lora.b.0"] == [[3, 8, 32]]
     assert shards["mlp.gate_proj.lora.b.0"] == [[3, 8, 64]]
-    assert shards["self_attn.o_proj.lora.a"] == [[1, 3, 8, 32]]  # row-parallel: A split by input rows
+    assert shards["self_attn.o_proj.lora.a"] == [[1, 3, 8, 64]]  # row-parallel: A split by input rows (128)
     assert shards["self_attn.o_proj.lora.b.0"] == [[3, 8, 64]]  # B whole
     assert shards["mlp.down_proj.lora.a"] == [[1, 3, 8, 64]]
 
