@@ -52,7 +52,7 @@ class LoRASlotTable:
         for layer, slots in lora_modules(model):
             names = [("a",), *(("b", j) for j in range(len(slots.parts)))]
             self.projections.append(_SlotArrays(
-                layer, slots.parts, [np.array(slots.a[...]), *(np.array(b[...]) for b in slots.b)],
+                layer, slots.parts, [np.zeros(w.shape, w.dtype) for w in (slots.a, *slots.b)],  # (attach_lora's zeros)
                 [step_index[paths[(*modules[id(slots)], *name)]] for name in names]))
         if not self.projections:
             raise ValueError("enable_lora: the model has no LoRA projections; build it with attach_lora first")

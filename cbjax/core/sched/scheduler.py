@@ -30,6 +30,7 @@ from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
 from cbjax.core.sched.output import ScheduledRequest, SchedulerOutput, scheduled_request
 from cbjax.core.sched.policy import RequestQueue, make_request_queue
+from cbjax.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class Scheduler:
                     finished.append(request)
         return finished
 
-    def _lora_fits(self, lora_request) -> bool:
+    def _lora_fits(self, lora_request: LoRARequest) -> bool:
         """Whether a request under `lora_request` may run beside the running ones: its adapter is theirs,
         or they use fewer than max_loras adapters."""
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
