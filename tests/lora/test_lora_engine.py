@@ -211,5 +211,6 @@ def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_al
                 for name in ["everything", "mlp-up-down", None]]
     assert all(full.startswith(text) and len(full) - len(text) <= 1 for text, full in zip(texts, expected)), (texts, expected)
     assert len(set(expected)) == 3
+    assert [r.json()["model"] for r in responses[2:5]] == ["sql", "up-down", "base"]
     assert "`up-down` does not exist" in responses[6].json()["error"]["message"]
     assert "'broken'" in responses[8].json()["error"]["message"]

@@ -32,7 +32,8 @@ async def load_adapter(state: ServerState, name: str, path: str) -> LoRARequest:
     """Read `path` into the engine under `name`, a new adapter id (ids are never reused: the engine keys
     cached KV blocks and device slots by id); 400 for a name in use or an adapter the engine refuses."""
     if name in state.lora_adapters or name == state.served_model_name:
-        raise APIError(400, f"The model `{name}` is already served; unload it first or pick another lora_name", "lora_name")
+        raise APIError(400, f"The model `{name}` is already served; unload it first or pick another lora_name",
+                       "lora_name")
     if not state.engine.engine_config.enable_lora:
         raise APIError(400, "This server was started without --enable-lora; restart it with --enable-lora")
     state.last_lora_int_id += 1

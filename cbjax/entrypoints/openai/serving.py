@@ -68,6 +68,11 @@ def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
     raise APIError(404, f"The model `{model}` does not exist; this server serves {served}", "model")
 
 
+def response_model(state: ServerState, model: str | None) -> str:
+    """The `model` an answer names: the LoRA adapter the request named (as vLLM's), else the served model."""
+    return model if model in state.lora_adapters else state.served_model_name
+
+
 def check_fields(body: RequestModel) -> None:
     """400 for fields cbjax does not implement (not silently ignored); unknown fields are logged and
     ignored, as vLLM does; `stream_options` needs `stream` (vLLM's rule and message)."""
