@@ -8,6 +8,10 @@ the LoRA engine with every request on the base model, and of the LoRA engine wit
 over the 4 adapters in turn. The engines alternate round by round (load from other processes falls on
 all alike); the median round is reported. A resident adapter's cost is stated as the bytes of one
 slot and the multiply-adds it adds to every token (every token reads every slot).
+
+`--delta-forms`: instead, the batched update of one fused q/k/v projection (the model's shapes, 4 slots
+of rank 16, tokens in random slots) timed in the engine's form (`lora_delta`: one-hot masked dots)
+against grouped matmuls over the tokens sorted by slot (`jax.lax.ragged_dot`), beside the base dot.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
 from cbjax import LLM, LoRARequest, SamplingParams
 from cbjax.bench.common import print_table, write_json
+from cbjax.models.layers.lora import lora_delta
 
 RANKS = [8, 12, 16, 16]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -66,6 +73,47 @@ def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: in
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
+def ragged_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], token_slots: jax.Array) -> jax.Array:
+    """lora_delta's value by grouped matmuls: tokens sorted by slot, slot 0 a group of zero factors."""
+    num_parts, num_slots, rank, fan_in = a.shape
+    order = jnp.argsort(token_slots)
+    sizes = jnp.bincount(token_slots, length=num_slots + 1).astype(jnp.int32)
+    a_groups = jnp.concatenate([jnp.zeros((1, fan_in, num_parts * rank), a.dtype),
+                                a.transpose(1, 3, 0, 2).reshape(num_slots, fan_in, num_parts * rank)])
+    xa = jax.lax.ragged_dot(x[order], a_groups, sizes)
+    parts = [jax.lax.ragged_dot(xa[:, j * rank:(j + 1) * rank], jnp.concatenate([jnp.zeros_like(b[:1]), b]), sizes)
+             for j, b in enumerate(bs)]
+    return jnp.zeros((x.shape[0], sum(b.shape[-1] for b in bs)), x.dtype).at[order].set(jnp.concatenate(parts, -1))
+
+
+def time_delta_forms(config: dict, token_counts: list[int], num_slots: int = 4, rank: int = 16) -> list[dict]:
+    """Median microseconds of the base q/k/v dot and of each form of its LoRA update, per token count."""
+    shapes = projection_shapes(config)
+    fan_in, widths = shapes["q_proj"][1], [shapes[name][2] for name in ("q_proj", "k_proj", "v_proj")]
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(len(widths), num_slots, rank, fan_in)), jnp.float32)
+    bs = [jnp.asarray(rng.normal(size=(num_slots, rank, width)), jnp.float32) for width in widths]
+    kernel = jnp.asarray(rng.normal(size=(fan_in, sum(widths))), jnp.float32)
+    forms = {"base dot": jax.jit(lambda x, a, bs, slots: x @ kernel), "one-hot (lora_delta)": jax.jit(lora_delta),
+             "ragged_dot": jax.jit(ragged_delta)}
+    rows = []
+    for num_tokens in token_counts:
+        x = jnp.asarray(rng.normal(size=(num_tokens, fan_in)), jnp.float32)
+        slots = jnp.asarray(rng.integers(0, num_slots + 1, num_tokens), jnp.int32)
+        np.testing.assert_allclose(forms["ragged_dot"](x, a, bs, slots), lora_delta(x, a, bs, slots), rtol=1e-4, atol=1e-3)
+        for name, form in forms.items():
+            form(x, a, bs, slots).block_until_ready()
+            runs = []
+            for _ in range(7):
+                start = time.perf_counter()
+                for _ in range(20):
+                    out = form(x, a, bs, slots)
+                out.block_until_ready()
+                runs.append((time.perf_counter() - start) / 20 * 1e6)
+            rows.append({"tokens": num_tokens, "form": name, "us": statistics.median(runs)})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
@@ -73,9 +121,15 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine and batch size")
+    p.add_argument("--delta-forms", action="store_true", help="time the update's forms on one projection instead")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     config = json.loads((Path(args.model) / "config.json").read_text())
+    if args.delta_forms:
+        rows = time_delta_forms(config, [16, 64, 512])
+        print_table(rows, ["tokens", "form", "us"])
+        write_json(args.result_json, {"delta_forms": rows})
+        return
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.prompt_len + args.output_len + 16,
                    max_num_batched_tokens=512)
     adapter_dir = Path(tempfile.mkdtemp(prefix="lora-bench-"))
