@@ -122,11 +122,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine and batch size")
     p.add_argument("--delta-forms", action="store_true", help="time the update's forms on one projection instead")
+    p.add_argument("--delta-tokens", type=int, nargs="+", default=[16, 64, 512], help="token counts of --delta-forms")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     config = json.loads((Path(args.model) / "config.json").read_text())
     if args.delta_forms:
-        rows = time_delta_forms(config, [16, 64, 512])
+        rows = time_delta_forms(config, args.delta_tokens)
         print_table(rows, ["tokens", "form", "us"])
         write_json(args.result_json, {"delta_forms": rows})
         return
