@@ -1,8 +1,8 @@
 """Which LoRA adapter each device slot holds, and the adapters read on the host (vLLM's LoRA manager).
 
-Slot 0 is the base model (no factors); slots 1..max_loras hold adapters (row slot - 1 of each projection's arrays). A step's
-rows name their adapters; one not resident takes a free slot, else the least recently used slot whose
-adapter no row of this step uses (the scheduler admits at most max_loras adapters among running
+Slot 0 is the base model (no factors); slots 1..max_loras hold adapters (row slot - 1 of each
+projection's arrays). A step's rows name their adapters; one not resident takes a free slot, else the
+least recently used slot whose adapter no row of this step uses (the scheduler admits at most max_loras adapters among running
 requests, so there is one). Writing a slot changes only array values: the host keeps a copy of every
 slot array, and the changed arrays are put on the device whole before the step (no program is
 compiled). A step still running keeps the arrays it was launched with. Adapters read from disk stay
@@ -37,6 +37,9 @@ class _SlotArrays:
 
 
 class LoRASlotTable:
+    """The runner's LoRA state: adapters on the host (`add`, `remove`), which slot holds which
+    (`step_slots`), and the host copies of every slot array, put on the device before a step (`put`)."""
+
     def __init__(self, model: nnx.Module, weight_stacks: WeightStacks, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None):
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
