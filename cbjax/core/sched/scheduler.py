@@ -288,7 +288,9 @@ class Scheduler:
 
     def _lora_fits(self, lora_request: LoRARequest) -> bool:
         """Whether a request under `lora_request` may run beside the running ones: its adapter is theirs,
-        or they use fewer than max_loras adapters."""
+        or they use fewer than max_loras adapters (or there is no limit: LoRA off)."""
+        if self.max_loras is None:
+            return True
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         return lora_request.lora_int_id in running or len(running) < self.max_loras
 
