@@ -4,6 +4,7 @@ from cbjax.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, Be
 from cbjax.engine.async_llm import AsyncLLM
 from cbjax.config import EngineConfig
 from cbjax.entrypoints.llm import LLM
+from cbjax.lora.request import LoRARequest
 from cbjax.outputs import CompletionOutput, RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -15,6 +16,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

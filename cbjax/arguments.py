@@ -20,7 +20,7 @@ UNSUPPORTED_LLM_OPTIONS = {
     "trust_remote_code": False, "revision": None, "tokenizer_revision": None,
     "download_dir": None, "load_format": "auto", "pipeline_parallel_size": 1, "enforce_eager": False,
     "cpu_offload_gb": 0, "swap_space": 4, "hf_overrides": None,
-    "enable_lora": False, "tokenizer_mode": "auto", "skip_tokenizer_init": False,
+    "tokenizer_mode": "auto", "skip_tokenizer_init": False,
 }
 
 

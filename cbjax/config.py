@@ -81,6 +81,14 @@ class EngineConfig:
     coordinator: str | None = None  # "HOST:PORT" of process 0, where jax.distributed's coordinator listens
     num_processes: int = 1
     process_id: int = 0
+    # LoRA adapters (vLLM's names; cbjax/lora/): requests may name a PEFT adapter (LoRARequest), applied
+    # inside the same compiled steps as the base model's rows. max_loras: adapters resident on the device at
+    # once (a step mixes at most this many); max_lora_rank: the largest rank an adapter may have (the slots'
+    # width); max_cpu_loras: adapters kept read on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -93,7 +101,8 @@ class EngineConfig:
                 setattr(self, field.name, os.fspath(value))
             elif field.type in ("str", "str | None") and value is not None and not isinstance(value, str):
                 raise ArgumentTypeError(f"{field.name} must be a str, got {describe(value)}")
-        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size", "num_processes")
+        positive = ("max_num_seqs", "block_size", "max_logprobs", "max_num_prefills", "tensor_parallel_size", "num_processes",
+                    "max_loras", "max_lora_rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -115,6 +124,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two (the GPU kernels tile by it), got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.enable_lora and self.num_processes > 1:
+            raise ValueError(f"enable_lora is not supported with num_processes={self.num_processes} (multi-host): "
+                             "adapter slots are written by the serving process alone; serve LoRA from one process")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every adapter on the "
+                             "device is kept on the host too; raise max_cpu_loras or leave it None (= max_loras)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
 

@@ -41,6 +41,12 @@ class StepRunner(Protocol):
     def release_request(self, request_id: str) -> None:
         """Free what the runner holds for a finished or aborted request."""
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter onto the host (ValueError if bad, or LoRA is off)."""
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter; False if none has that id."""
+
     # (request id, why) of requests whose rows `dispatch` could not write: the core finishes them.
     failed_requests: list[tuple[str, str]]
 
@@ -66,6 +72,7 @@ class EngineCore:
             max_num_prefills=config.max_num_prefills,
             scheduling_policy=config.scheduling_policy,
             max_spec_batch_size=0 if spec is None else spec.disable_by_batch_size,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         # What each request is checked against; a front end in another process gets them too.
         self.limits = RequestLimits(config.max_model_len, model_config.vocab_size, config.max_logprobs,
@@ -80,9 +87,13 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int) -> None:
-        """Raise ValueError, saying what to change, for a request this engine cannot serve."""
+    def check_request(self, prompt_token_ids: list[int], params: Any, eos_token_ids: list[int], priority: int,
+                      lora_request: Any = None) -> None:
+        """Raise ValueError, saying what to change, for a request this engine cannot serve (its LoRA
+        adapter, if any, is read onto the host here, so a bad one fails now)."""
         check_request(self.limits, prompt_token_ids, params, eos_token_ids, priority)
+        if lora_request is not None:
+            self.runner.add_lora(lora_request)
         if params.structured_outputs is not None and self.config.num_processes > 1:
             # The workers launch each step from its packed inputs alone; the masks do not travel to them yet.
             raise ValueError(f"structured outputs are not supported with num_processes={self.config.num_processes} "
@@ -107,6 +118,14 @@ class EngineCore:
         """True when completions 1..n-1 find the first's prompt blocks cached instead of computing their own."""
         return (len(completions) > 1 and self.config.enable_prefix_caching
                 and not computes_whole_prompt(completions[0].sampling_params))
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter onto the host now (vLLM's add_lora); ValueError if it is bad."""
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (requests running under it finish under it); False if none has that id."""
+        return self.runner.remove_lora(lora_int_id)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish an unfinished request as aborted and free what it holds; None if unknown or finished."""

@@ -49,7 +49,8 @@ class EngineCoreProc:
         in the next message, with ValueError's message."""
         first = completions[0]
         try:
-            self.core.check_request(first.prompt_token_ids, first.sampling_params, first.eos_token_ids, first.priority)
+            self.core.check_request(first.prompt_token_ids, first.sampling_params, first.eos_token_ids, first.priority,
+                                    first.lora_request)
             self.core.add_requests(completions)
         except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
             self.rejected.append((request_id, str(error)))

@@ -49,6 +49,7 @@ class Request:
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # the priority policy serves lower values first (vLLM's rule); fcfs ignores it
+    lora_request: Any = None  # the LoRA adapter it runs under (cbjax.lora.LoRARequest); None: the base model
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -20,6 +20,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.llm_engine import LLMEngine, Prompt
 from cbjax.engine.process_client import ProcessCoreClient
 from cbjax.engine.request_book import tokenize_request
+from cbjax.lora.request import LoRARequest
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -77,17 +78,19 @@ class AsyncLLM:
         check_request(self.request_limits, token_ids, sampling_params, self.eos_token_ids, priority)
 
     async def generate(
-        self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+        self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come, shaped by `sampling_params.output_kind`; `priority`
-        orders it under the priority scheduling policy (lower first).
+        orders it under the priority scheduling policy (lower first); `lora_request` runs it under
+        that LoRA adapter (enable_lora).
 
         Raises ValueError (bad input, from add_request) or EngineDeadError.
         """
         self.check_health()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs), priority)
+        self.core.add_request(request_id, prompt, sampling_params, LoopQueueSink(loop, outputs), priority, lora_request)
         finished = False
         try:
             while not finished:
@@ -100,6 +103,14 @@ class AsyncLLM:
         finally:
             if not finished:  # the caller left early (cancelled, closed, disconnected)
                 self.core.abort_request(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter in the engine core now (vLLM's add_lora); ValueError if it is bad."""
+        await asyncio.to_thread(self.core.call, _add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter in the engine core; False if none has that id."""
+        return await asyncio.to_thread(self.core.call, _remove_lora, lora_int_id)
 
     async def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
@@ -120,3 +131,11 @@ class AsyncLLM:
     def shutdown(self, timeout: float | None = None) -> None:
         """Abort every request left, deliver their final outputs, stop the core thread."""
         self.core.shutdown(timeout)
+
+
+def _add_lora(core: Any, lora_request: LoRARequest) -> None:  # (module level: it is pickled to an engine process)
+    core.add_lora(lora_request)
+
+
+def _remove_lora(core: Any, lora_int_id: int) -> bool:
+    return core.remove_lora(lora_int_id)

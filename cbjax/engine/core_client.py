@@ -10,6 +10,7 @@ an abort from any thread safe: it lands between two steps, never inside one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import queue
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.iteration_stats import IterationStats, IterationStatsCollector
 from cbjax.engine.llm_engine import LLMEngine, Prompt
+from cbjax.lora.request import LoRARequest
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 
@@ -94,12 +96,20 @@ class ThreadCoreClient:
         self.thread.start()
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; its outputs, or the ValueError that rejected it, go to `sink`. It arrives
         now, not when the core dequeues it, so its TTFT counts the wait for the running step (as vLLM's)."""
-        if not self._put(("add", request_id, prompt, params, sink, time.monotonic(), priority)):
+        if not self._put(("add", request_id, prompt, params, sink, time.monotonic(), priority, lora_request)):
             deliver(sink, self.closed)
+
+    def call(self, function: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """`function(engine_core, *args)` on the core thread, between two steps (as ProcessCoreClient.call)."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._put(("call", function, args, result)):
+            raise self.closed
+        return result.result(timeout)
 
     def abort_request(self, request_id: str) -> None:
         self._put(("abort", request_id))
@@ -151,6 +161,12 @@ class ThreadCoreClient:
                 self._add(*command[1:])
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
+            elif command[0] == "call":
+                _, function, args, result = command
+                try:
+                    result.set_result(function(self.engine.core, *args))
+                except Exception as error:  # the caller's function failed, not the engine
+                    result.set_exception(error)
             else:
                 for request_id in self.sinks:
                     self.engine.abort_request(request_id)
@@ -166,10 +182,10 @@ class ThreadCoreClient:
 
     def _add(
         self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, arrival_time: float,
-        priority: int,
+        priority: int, lora_request: LoRARequest | None,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time, priority)
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
         except (ValueError, TypeError) as error:  # bad input: the caller hears why, the others carry on
             deliver(sink, error)
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from cbjax.core.outputs import SampledTokens
 from cbjax.core.protocol import ChildState, StepProgress
@@ -38,11 +39,12 @@ class Frontend:
 
     def add_request(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float, prompt: str | None,
-        priority: int = 0,
+        priority: int = 0, lora_request: Any = None,
     ) -> ParentRequest:
         """Mirror a request the core is being sent (ValueError if its id is in use here)."""
         self.book.check_free(request_id, params.n)
-        return self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority)
+        return self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, prompt, priority,
+                                 lora_request)
 
     def reject(self, request_id: str) -> tuple[str, list[str]] | None:
         """Forget a request the core refused, or one of whose completions (named by its child id) it

@@ -18,6 +18,7 @@ from cbjax.core.request import Request
 from cbjax.engine.output_processor import OutputProcessor
 from cbjax.engine.parallel_sampling import ParentRequest
 from cbjax.engine.request_book import Prompt, RequestBook, eos_token_ids, tokenize_request
+from cbjax.lora.request import LoRARequest, check_lora_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -63,16 +64,18 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (n > 1: one child request per completion); bad input raises ValueError
         and leaves the engine as it was. `priority` orders it under the priority scheduling policy
-        (lower first)."""
+        (lower first); `lora_request` runs it under that LoRA adapter (enable_lora)."""
         params = sampling_params or SamplingParams()
         self.book.check_free(request_id, params.n)
         text, token_ids = tokenize_request(self.tokenizer, prompt, params)
-        self.core.check_request(token_ids, params, self.eos_token_ids, priority)
+        self.core.check_request(token_ids, params, self.eos_token_ids, priority, check_lora_request(lora_request))
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        parent = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text, priority)
+        parent = self.book.add_new(request_id, token_ids, params, self.eos_token_ids, arrival_time, text, priority,
+                                   lora_request)
         self.core.add_requests(parent.children)
 
     def abort_request(self, request_id: str) -> None:

@@ -38,6 +38,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.engine.frontend import Frontend
 from cbjax.engine.iteration_stats import IterationStatsCollector
 from cbjax.engine.request_book import Prompt, eos_token_ids, tokenize_request
+from cbjax.lora.request import LoRARequest, check_lora_request
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -102,16 +103,20 @@ class ProcessCoreClient:
         self.sender.start()
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, sink: OutputSink, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Send a request; its outputs, or the ValueError that rejected it, go to `sink`."""
-        self.add_requests([(request_id, prompt, params, sink, priority)])
+        self.add_requests([(request_id, prompt, params, sink, priority, lora_request)])
 
-    def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams, OutputSink, int]]) -> None:
-        """Send requests (request_id, prompt, params, sink, priority) in one message: the core adds
-        them all before its next step, as LLMEngine.add_request calls made between two steps."""
+    def add_requests(
+        self, requests: Sequence[tuple[str, Prompt, SamplingParams, OutputSink, int, LoRARequest | None]],
+    ) -> None:
+        """Send requests (request_id, prompt, params, sink, priority, lora_request) in one message: the
+        core adds them all before its next step, as LLMEngine.add_request calls made between two steps
+        (the core reads the adapter, and rejects the request if it is bad)."""
         adds = []
-        for request_id, prompt, params, sink, priority in requests:
+        for request_id, prompt, params, sink, priority, lora_request in requests:
             arrival_time = time.monotonic()
             try:
                 text, token_ids = tokenize_request(self.tokenizer, prompt, params)
@@ -119,7 +124,8 @@ class ProcessCoreClient:
                 with self._lock:
                     if self.error is not None:
                         raise self.error
-                    parent = self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority)
+                    parent = self.frontend.add_request(request_id, token_ids, params, arrival_time, text, priority,
+                                                       check_lora_request(lora_request))
                     self.sinks[request_id] = sink
             except (ValueError, TypeError, EngineDeadError) as error:
                 deliver(sink, error)

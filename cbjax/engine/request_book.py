@@ -49,11 +49,11 @@ class RequestBook:
 
     def add_new(
         self, request_id: str, token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-        arrival_time: float, prompt: str | None, priority: int = 0,
+        arrival_time: float, prompt: str | None, priority: int = 0, lora_request: Any = None,
     ) -> ParentRequest:
         """A request, one child per completion (n > 1), added to the book."""
         children = [
-            Request(child_id, token_ids, child_params(params, index), eos_token_ids, arrival_time, priority)
+            Request(child_id, token_ids, child_params(params, index), eos_token_ids, arrival_time, priority, lora_request)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
         parent = ParentRequest(request_id, children)

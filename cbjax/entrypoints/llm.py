@@ -14,6 +14,7 @@ from cbjax.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, be
 from cbjax.config import EngineConfig
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.engine.request_book import PROMPT_FORMS, Prompt, parse_prompt
+from cbjax.lora.request import LoRARequest
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 from cbjax.tokenizer.tokenizer import Tokenizer
@@ -64,9 +65,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt with continuous batching; outputs in input order. `priority`
-        (vLLM's: one int per prompt, lower first) needs scheduling_policy="priority"."""
+        (vLLM's: one int per prompt, lower first) needs scheduling_policy="priority". `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model; needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -94,15 +97,19 @@ class LLM:
             )
         for index, value in enumerate(priority):
             check_int(f"priority[{index}]", value)
+        lora_requests = [lora_request] * len(prompts) if not isinstance(lora_request, Sequence) else lora_request
+        if len(lora_requests) != len(prompts):
+            raise ValueError(f"got {len(lora_requests)} lora_request for {len(prompts)} prompts; pass one or one per prompt")
         engine = self.llm_engine
         # Only the finished outputs are returned: as vLLM's LLM does, ask the engine for nothing else.
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
         ids = []
         try:
-            for prompt, params, request_priority in zip(prompts, sampling_params, priority):
+            for prompt, params, request_priority, request_lora in zip(prompts, sampling_params, priority, lora_requests):
                 ids.append(str(self._next_id))
                 self._next_id += 1
-                engine.add_request(ids[-1], prompt, final_only[id(params)], priority=request_priority)
+                engine.add_request(ids[-1], prompt, final_only[id(params)], priority=request_priority,
+                                   lora_request=request_lora)
         except ValueError as error:
             # One bad prompt rejects the call (as in vLLM); the ones already queued are withdrawn, nothing leaks.
             self._withdraw(ids[:-1])
@@ -126,12 +133,14 @@ class LLM:
         add_generation_prompt: bool = True,
         priority: Sequence[int] | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate (`priority`: one
-        per conversation; `tools`: function definitions the template shows the model, as vLLM's)."""
+        per conversation; `tools`: function definitions the template shows the model, as vLLM's;
+        `lora_request`: as generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [chat_prompt(self.get_tokenizer(), c, add_generation_prompt, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        return self.generate(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: the best params.beam_width sequences per prompt (see cbjax.entrypoints.beam_search)."""

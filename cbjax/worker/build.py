@@ -21,6 +21,7 @@ from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import resolve_backend
+from cbjax.models.layers.lora import attach_lora
 from cbjax.models.registry import kv_cache_bytes_per_block
 from cbjax.worker.compilation.compile_cache import enable_compile_cache
 from cbjax.worker.distributed import multihost
@@ -77,6 +78,12 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None, quantization=config.quantization,
     )
     config.resolve(mc.max_position_embeddings)
+    if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
+        if tensor_parallel is not None and tensor_parallel.kv_repeats > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size} above the model's "
+                             f"{mc.num_key_value_heads // tensor_parallel.kv_repeats} KV heads is not supported (the k/v "
+                             "adapters would need their heads repeated too); use a tensor_parallel_size up to the KV heads")
+        attach_lora(model, mc, config.max_loras, config.max_lora_rank)
     backend = resolve_backend(
         config.attention_backend,
         num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads

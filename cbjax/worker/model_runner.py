@@ -48,6 +48,8 @@ from cbjax.worker.sample.verify import DraftInputs, VerifiedTokens, empty_drafts
 from cbjax.worker.spec.draft_rows import draft_rows_needed, runs, write_draft_row
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
+from cbjax.worker.lora_slots import LoRASlotTable
+from cbjax.models.layers.lora import set_token_slots
 from cbjax.heap import release_free_heap
 from cbjax.sampling_params import SamplingParams
 from cbjax.models.layers.kv_pool import init_kv_pool
@@ -92,6 +94,7 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
+    lora_slots: Int[Array, "tokens"]  # the token's request's LoRA slot (lora_slots.py), 0: no adapter
     drafts: DraftInputs | None = None  # with speculative decoding configured: the drafts to verify
 
 
@@ -169,6 +172,9 @@ class ModelRunner:
         # What a step's call takes of them: the same arrays, the vectors alike stacked (weight_stacks.py).
         self.weight_stacks = WeightStacks.of(self.weights)
         self.step_weights = self.weight_stacks.stack(self.weights)
+        # LoRA adapters' device slots (enable_lora; the model has its slots from attach_lora): lora_slots.py
+        self.lora = (LoRASlotTable(model, self.weight_stacks, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                     if config.enable_lora else None)
         self.slots = RequestSlots(config.max_num_seqs)  # each running request's row in the table and penalty state
         self.table = BlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         self.block_table = self._replicated_zeros(self.table.mirror.shape)  # the device's table (block_table.py)
@@ -256,6 +262,7 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
+            lora_slots=zeros(num_tokens),
             drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None,
         )
 
@@ -277,6 +284,7 @@ class ModelRunner:
         graphdef, layout, num_logprobs = self.graphdef, self.input_layouts[bucket], self.config.max_logprobs
         state_treedef, weight_stacks = self._state_treedef, self.weight_stacks
         mesh = None if self.tensor_parallel is None else self.tensor_parallel.mesh
+        lora = self.lora is not None
 
         def step(step_weights, kv_pool, penalty_state, last_sampled, block_table, packed, grammar_bitmask):
             inputs: StepInputs = unpack(packed, layout)
@@ -290,6 +298,8 @@ class ModelRunner:
                 gather_rows(block_table, attn.table_slots, attn.seq_lens, self.block_size),
             )
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weight_stacks.unstack(step_weights)))
+            if lora:
+                set_token_slots(model, inputs.lora_slots)
             hidden, kv_pool = model.hidden_states(
                 token_ids,
                 inputs.positions,
@@ -699,6 +709,8 @@ class ModelRunner:
         inputs.token_penalty_slots[:num_tokens] = np.repeat(row_penalty_slots, counts)
         inputs.token_prompt_lens[:num_tokens] = np.repeat(row_prompt_lens, counts)
         inputs.positions[:num_tokens] = positions
+        if self.lora is not None:
+            inputs.lora_slots[:num_tokens] = np.repeat(self.lora.step_slots([row.request.lora_request for row in rows]), counts)
         attn.table_slots[:num_rows] = row_slots
         self.table.take_writes(attn.table_writes)
         attn.slot_mapping[:num_tokens] = slots(self.table.mirror, attn.table_slots[row_of_token], positions, bs)
@@ -724,6 +736,17 @@ class ModelRunner:
                                          f"sampling parameters do not fit the sampler ({error!r})"))
             return _NEUTRAL_COLUMNS
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter (cbjax.lora.LoRARequest) onto the host; ValueError if it is bad."""
+        if self.lora is None:
+            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but the engine was started "
+                             "without enable_lora; start it with enable_lora=True (cbjax serve --enable-lora)")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter on the host; False if none has that id."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
     def release_request(self, request_id: str) -> None:
         """The request finished or was aborted: free what the runner holds for it."""
         self._release_slot(request_id)
@@ -746,6 +769,8 @@ class ModelRunner:
                 writes = self._spill_writes()
                 self.table.take_writes(writes)
                 self.write_table(pack(writes))
+            if self.lora is not None:  # adapters this step made resident: their slots' arrays
+                self.lora.put(self.step_weights)
             result = self.launch(bucket, pack(inputs), self.step_grammar_bitmask)
         result.copy_to_host_async()  # the read-back starts as soon as the step ends
         prepared = self._prepared

@@ -106,7 +106,7 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
         # Fewer rows: each copied from its request's row in the previous step, into this bucket's buffers.
         # (Every row of a followable step samples one token: its row, token and sampling row are one index.)
         new = fresh_inputs(bucket)
-        for name in ("token_penalty_slots", "token_prompt_lens"):
+        for name in ("token_penalty_slots", "token_prompt_lens", "lora_slots"):
             getattr(new, name)[:num_rows] = getattr(old, name)[source]
         for field in dataclasses.fields(old.sampling):
             getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]

@@ -77,3 +77,16 @@ def test_moe_matmul_times_both_expert_formulations_at_each_step_shape(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["tokens"] for row in rows] == [8, 16]  # a decode bucket of 8 requests, a mixed one of 16 tokens
     assert all(row["dense_over_grouped"] == row["dense_masked_ms"] / row["grouped_ms"] > 0 for row in rows)
+
+
+def test_lora_delta_forms_agree_and_are_timed(tmp_path):
+    """benchmarks/lora.py --delta-forms checks the engine's one-hot LoRA update against grouped matmuls over
+    tokens sorted by slot (an independent formulation) before timing both; it reads only config.json."""
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2}))
+    out = tmp_path / "forms.json"
+    done = run_benchmark("lora", "--model", str(tmp_path), "--delta-forms", "--delta-tokens", "16", "--result-json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["delta_forms"]
+    assert [(row["tokens"], row["form"]) for row in rows] == [
+        (16, "base dot"), (16, "one-hot (lora_delta)"), (16, "ragged_dot")]

@@ -13,6 +13,7 @@ from cbjax.core.request import Request, RequestStatus
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.core.sched.policy import PriorityQueue, priority_key
 from cbjax.core.sched.scheduler import Scheduler
+from cbjax.lora.request import LoRARequest
 
 
 @dataclass
@@ -51,6 +52,27 @@ def step(scheduler: Scheduler, token_id: int = 7) -> tuple[SchedulerOutput, list
 
 
 # ---- hand-worked steps ------------------------------------------------------------------
+
+
+def test_a_request_whose_adapter_needs_a_slot_waits_until_running_adapters_free_one():
+    """vLLM's max_loras rule: with 2 slots, a third adapter waits (and so does everyone behind it), while a
+    request for a running adapter, or for the base model, is admitted; once one adapter's requests
+    finish, the third takes its slot."""
+    scheduler = make_scheduler(max_loras=2)
+    lora = {name: LoRARequest(name, index + 1, f"/adapters/{name}") for index, name in enumerate("xyz")}
+    requests = [make_request("x1", 3, max_tokens=1), make_request("y1", 3, max_tokens=5),
+                make_request("x2", 3, max_tokens=5), make_request("base", 3, max_tokens=5),
+                make_request("z1", 3, max_tokens=5), make_request("after", 3, max_tokens=5)]
+    for request, adapter in zip(requests, [lora["x"], lora["y"], lora["x"], None, lora["z"], None]):
+        request.lora_request = adapter
+        scheduler.add_request(request)
+    output, finished = step(scheduler)
+    assert [row[0] for row in plan(output)] == ["x1", "y1", "x2", "base"] and finished == [requests[0]]
+    output, _ = step(scheduler)  # x2 still runs under x: z waits, and "after" with it (nobody overtakes)
+    assert "z1" not in [row[0] for row in plan(output)]
+    scheduler.finish_request("x2", RequestStatus.FINISHED_ABORTED)
+    output, _ = step(scheduler)
+    assert [row[0] for row in plan(output)][-2:] == ["z1", "after"]
 
 
 def test_allocated_names_the_requests_that_got_blocks_in_that_schedule():

@@ -230,7 +230,7 @@ def test_a_front_end_that_reads_several_core_steps_at_once_observes_each_step(ch
     received = queue.SimpleQueue()
     client.start()
     try:
-        client.add_requests([(f"r{i}", {"prompt_token_ids": prompt}, params, received.put, 0)
+        client.add_requests([(f"r{i}", {"prompt_token_ids": prompt}, params, received.put, 0, None)
                              for i, prompt in enumerate(prompts)])
         outputs = [received.get(timeout=60) for _ in prompts]
     finally:

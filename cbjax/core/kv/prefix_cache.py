@@ -11,7 +11,9 @@ block hash").
 
 Every chain starts from a root drawn at random per engine start, so a prompt cannot be built
 offline against a running engine's hashes; with PYTHONHASHSEED set the root derives from it,
-and engines with the same seed hash alike (vLLM's rule).
+and engines with the same seed hash alike (vLLM's rule). A request under a LoRA adapter starts its
+chain from the root hashed with the adapter's id: the same tokens under another adapter (or none)
+have other KV, so their blocks never match (vLLM keys blocks by adapter too).
 """
 
 from __future__ import annotations
@@ -64,9 +66,16 @@ class BlockHasher:
         """`request.block_hashes` grown to cover every full block of its tokens (incremental)."""
         hashes, tokens, hash_block = request.block_hashes, request.all_token_ids, self.hash_block
         for index in range(len(hashes), len(tokens) // block_size):
-            parent = hashes[-1] if hashes else self.root
+            parent = hashes[-1] if hashes else self.chain_root(request)
             hashes.append(hash_block(parent, tuple(tokens[index * block_size : (index + 1) * block_size])))
         return hashes
+
+
+    def chain_root(self, request: Request) -> BlockHash:
+        """Where `request`'s chain starts: the root, or for an adapter's request the root hashed with
+        its id (a key holding a str, which no block's token ids equal)."""
+        lora = request.lora_request
+        return self.root if lora is None else self.hash_block(self.root, ("lora", lora.lora_int_id))
 
 
 def computes_whole_prompt(params: Any) -> bool:

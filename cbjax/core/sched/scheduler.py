@@ -30,6 +30,7 @@ from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
 from cbjax.core.sched.output import ScheduledRequest, SchedulerOutput, scheduled_request
 from cbjax.core.sched.policy import RequestQueue, make_request_queue
+from cbjax.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
         max_spec_batch_size: int = 0,
+        max_loras: int | None = None,
     ):
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -96,6 +98,7 @@ class Scheduler:
         # Running requests' drafts are verified only in a step that starts with at most this many
         # running (speculative_config's disable_by_batch_size; 0: never).
         self.max_spec_batch_size = max_spec_batch_size
+        self.max_loras = max_loras  # LoRA adapters the running requests may use at once (None: no LoRA)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: RequestQueue = make_request_queue(scheduling_policy)
         self.held: dict[Request, Request] = {}  # request -> the request whose prompt it waits for
@@ -239,6 +242,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.lora_request is not None and not self._lora_fits(request.lora_request):
+                break  # its adapter needs a device slot that running requests hold (vLLM's max_loras rule)
             computed_blocks = self.block_manager.get_computed_blocks(request)
             num_cached_tokens = len(computed_blocks) * self.block_manager.block_size
             num_new_tokens = self._num_new_tokens(request, token_budget, prefills_left, num_cached_tokens)
@@ -347,6 +352,14 @@ class Scheduler:
         # KV is written for every token but the newest; the rejected drafts' slots are overwritten later.
         request.num_computed_tokens = len(request.all_token_ids) - 1
         return False
+
+    def _lora_fits(self, lora_request: LoRARequest) -> bool:
+        """Whether a request under `lora_request` may run beside the running ones: its adapter is theirs,
+        or they use fewer than max_loras adapters (or there is no limit: LoRA off)."""
+        if self.max_loras is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora_request.lora_int_id in running or len(running) < self.max_loras
 
     def _num_new_tokens(
         self, request: Request, token_budget: int, prefills_left: bool, num_cached_tokens: int = 0

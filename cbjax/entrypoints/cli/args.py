@@ -98,6 +98,11 @@ def add_engine_args(
         help='speculative decoding, as JSON (vLLM\'s form): \'{"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4}\' or method "suffix"; default: off',
     )
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters beside the base model (requests name them; see --lora-modules)")
+    parser.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once (a step mixes this many)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept read on the host (default: --max-loras)")
     parser.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0 (the same for all)")
     parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the engine")
     parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 serves)")
@@ -110,7 +115,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "
         "enable_expert_parallel "
-        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights speculative_config coordinator num_processes process_id"
+        "enable_prefix_caching prefix_caching_hash_algo async_scheduling prompt_bucket_midpoints cpu_packed_weights speculative_config coordinator num_processes process_id "
+        "enable_lora max_loras max_lora_rank max_cpu_loras"
     ).split()
     return {name: getattr(args, name) for name in names}
 
@@ -145,6 +151,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
              "(vLLM's layout); --no-engine-process: the engine core in a thread of this process; multi-host "
              "leaders always use the thread",
     )
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served under NAME: a request's `model` picks one "
+                             "(needs --enable-lora)")
     parser.add_argument("--max-request-bytes", type=int, default=10 * 2**20, help="413 for larger request bodies")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")

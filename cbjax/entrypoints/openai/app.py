@@ -12,6 +12,7 @@ from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.chat import create_chat_completion, rendered_chat
 from cbjax.entrypoints.openai.completions import create_completion
 from cbjax.entrypoints.openai.errors import ERROR_TYPES, add_error_handlers, error_response
+from cbjax.entrypoints.openai.lora_adapters import add_runtime_routes, model_cards
 from cbjax.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from cbjax.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -21,7 +22,6 @@ from cbjax.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -56,9 +56,9 @@ def build_app(state: ServerState, registry: CollectorRegistry, api_key: str | No
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=state.served_model_name, root=state.engine.engine_config.model,
-                         max_model_len=state.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=model_cards(state))
+
+    add_runtime_routes(app, state)
 
     @app.get("/health", response_class=Response, responses={200: {"content": None}})
     async def health() -> Response:

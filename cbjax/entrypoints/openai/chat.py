@@ -36,7 +36,7 @@ from cbjax.outputs import CompletionOutput, RequestOutput
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request: Request) -> Response:
-    serving.check_model(state, body.model)
+    lora_request = serving.check_model(state, body.model)
     serving.check_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true; set it or drop top_logprobs",
@@ -58,7 +58,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         params, tool_parser = dataclasses.replace(params, structured_outputs=forced[0]), forced[1]
     serving.check_engine_request(state, [prompt], [params], body.priority)
     request_id = random_id("chatcmpl")
-    outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority)
+    outputs = await serving.admit(state, [prompt], [params], request_id, priority=body.priority,
+                                  lora_request=lora_request)
     if body.stream:
         return serving.stream(_stream(state, body, request_id, len(prompt["prompt_token_ids"]), outputs, tool_parser),
                               outputs)
@@ -196,7 +197,7 @@ async def _collect(
             finish_reason=_finish_reason(completion, called), stop_reason=completion.stop_reason,
         ))
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
-    return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
+    return ChatCompletionResponse(id=request_id, model=serving.response_model(state, body.model), choices=choices,
                                   usage=serving.usage(len(final.prompt_token_ids), num_completion_tokens))
 
 
@@ -205,7 +206,7 @@ async def _stream(
     outputs: AsyncIterator[tuple[int, RequestOutput]], tool_parser: ToolParser | None = None,
 ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, model=state.served_model_name, choices=[choice])
+        return ChatCompletionChunk(id=request_id, model=serving.response_model(state, body.model), choices=[choice])
 
     started = False
     finished: set[int] = set()  # choices whose finish_reason went out (with n > 1 others go on)
@@ -231,5 +232,5 @@ async def _stream(
                     finish_reason=_finish_reason(completion, reply.num_calls > 0), stop_reason=completion.stop_reason,
                 ))
     if body.stream_options and body.stream_options.include_usage:
-        yield ChatCompletionChunk(id=request_id, model=state.served_model_name, choices=[],
+        yield ChatCompletionChunk(id=request_id, model=serving.response_model(state, body.model), choices=[],
                                   usage=serving.usage(num_prompt_tokens, num_completion_tokens))

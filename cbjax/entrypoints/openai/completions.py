@@ -22,7 +22,7 @@ from cbjax.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request) -> Response:
-    serving.check_model(state, body.model)
+    lora_request = serving.check_model(state, body.model)
     serving.check_fields(body)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo=true with logprobs needs the prompt's logprobs, which this server does not "
@@ -34,7 +34,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     params = [serving.sampling_params(body, limit, body.logprobs) for limit in max_tokens]
     serving.check_engine_request(state, prompts, params, body.priority)
     request_id = random_id("cmpl")
-    outputs = await serving.admit(state, prompts, params, request_id, priority=body.priority)
+    outputs = await serving.admit(state, prompts, params, request_id, priority=body.priority, lora_request=lora_request)
     if body.stream:
         return serving.stream(_stream(state, body, request_id, prompts, outputs), outputs)
     work = _collect(state, body, request_id, prompts, outputs)
@@ -103,7 +103,7 @@ async def _collect(
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
             ))
     num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-    return CompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
+    return CompletionResponse(id=request_id, model=serving.response_model(state, body.model), choices=choices,
                               usage=serving.usage(num_prompt_tokens, num_completion_tokens))
 
 
@@ -114,6 +114,7 @@ async def _stream(
     text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts
     finished: set[int] = set()  # choices whose finish_reason went out (with n > 1 others go on)
     num_completion_tokens = 0
+    model = serving.response_model(state, body.model)
     async for prompt_index, output in outputs:
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
@@ -130,11 +131,11 @@ async def _stream(
             if completion.finish_reason is not None:
                 finished.add(index)
             if text or completion.token_ids or completion.finish_reason is not None:
-                yield CompletionResponse(id=request_id, model=state.served_model_name, choices=[CompletionChoice(
+                yield CompletionResponse(id=request_id, model=model, choices=[CompletionChoice(
                     index=index, text=text, logprobs=logprobs,
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 )])
     if body.stream_options and body.stream_options.include_usage:
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        yield CompletionResponse(id=request_id, model=state.served_model_name, choices=[],
+        yield CompletionResponse(id=request_id, model=model, choices=[],
                                  usage=serving.usage(num_prompt_tokens, num_completion_tokens))

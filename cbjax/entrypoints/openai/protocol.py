@@ -268,7 +268,19 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "cbjax"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """/v1/load_lora_adapter's body (vLLM's): the name requests will give as `model`, and the PEFT folder."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
 
 
 class ModelList(OpenAIModel):

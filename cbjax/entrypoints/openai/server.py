@@ -23,6 +23,7 @@ from cbjax.entrypoints.cli.args import engine_options
 from cbjax.engine.async_llm import AsyncLLM
 from cbjax.engine.exceptions import EngineDeadError
 from cbjax.entrypoints.openai.app import build_app
+from cbjax.entrypoints.openai.lora_adapters import load_adapter, parse_lora_modules
 from cbjax.entrypoints.openai.metrics import PrometheusStatLogger
 from cbjax.entrypoints.openai.reasoning import reasoning_parser
 from cbjax.entrypoints.openai.tool_parsers import tool_call_parser
@@ -65,6 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     freeze_gc_heap()  # this process serves one engine until it exits: no GC pauses over its start-up objects
     try:
+        for name, path in parse_lora_modules(args.lora_modules):
+            asyncio.run(load_adapter(state, name, path))
         ok = asyncio.run(_serve(uvicorn.Server(config), engine, args, served_model_name))
     finally:
         engine.shutdown(timeout=args.shutdown_timeout)

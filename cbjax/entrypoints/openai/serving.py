@@ -24,6 +24,7 @@ from cbjax.entrypoints.openai.protocol import RequestModel, SamplingFields, Usag
 from cbjax.entrypoints.openai.reasoning import ThinkingParser
 from cbjax.entrypoints.openai.structured import structured_outputs
 from cbjax.entrypoints.openai.tool_parsers import ToolParser
+from cbjax.lora.request import LoRARequest
 from cbjax.outputs import RequestOutput
 from cbjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,13 +52,25 @@ class ServerState:
     # loop keeps streaming while a long prompt is encoded, and prompts are encoded one at a time.
     tokenizer_pool: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="cbjax-tokenizer"))
+    # LoRA adapters by the name a request's `model` gives (lora_adapters.py), and the latest id handed out.
+    lora_adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    last_lora_int_id: int = 0
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    """404 for another model's name (no name means the served model)."""
-    if model is not None and model != state.served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.served_model_name}`",
-                       "model")
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names (None: the base model, as no name is); 404 for a
+    name the server does not serve."""
+    if model is None or model == state.served_model_name:
+        return None
+    if model in state.lora_adapters:
+        return state.lora_adapters[model]
+    served = ", ".join(f"`{name}`" for name in [state.served_model_name, *state.lora_adapters])
+    raise APIError(404, f"The model `{model}` does not exist; this server serves {served}", "model")
+
+
+def response_model(state: ServerState, model: str | None) -> str:
+    """The `model` an answer names: the LoRA adapter the request named (as vLLM's), else the served model."""
+    return model if model in state.lora_adapters else state.served_model_name
 
 
 def check_fields(body: RequestModel) -> None:
@@ -210,27 +223,27 @@ class UnfinishedCompletions:
 
 async def admit(
     state: ServerState, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str, *,
-    priority: int,
+    priority: int, lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The overload gate, then the request's outputs (merged_outputs). Its completions count as
     unfinished from here, with no await between the gate and the count, so a burst of requests
     cannot all pass a gate that none of them has counted in yet."""
     await check_overload(state)
     unfinished = UnfinishedCompletions(state, sum(p.n for p in params))
-    outputs = merged_outputs(state.engine, prompts, params, request_id, priority, unfinished)
+    outputs = merged_outputs(state.engine, prompts, params, request_id, priority, unfinished, lora_request)
     weakref.finalize(outputs, unfinished.finish_all)  # a stream whose client left before it started
     return outputs
 
 
 async def merged_outputs(
     engine: AsyncLLM, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str, priority: int,
-    unfinished: UnfinishedCompletions,
+    unfinished: UnfinishedCompletions, lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every prompt's request as they come; leaving early aborts them
     all. The engine's ValueError (a request it refused) is the client's 400."""
     finished: set[tuple[int, int]] = set()
     try:
-        async for prompt_index, output in _merged_outputs(engine, prompts, params, request_id, priority):
+        async for prompt_index, output in _merged_outputs(engine, prompts, params, request_id, priority, lora_request):
             for completion in output.outputs:
                 if completion.finish_reason is not None and (prompt_index, completion.index) not in finished:
                     finished.add((prompt_index, completion.index))
@@ -243,17 +256,19 @@ async def merged_outputs(
 
 
 async def _merged_outputs(
-    engine: AsyncLLM, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str, priority: int
+    engine: AsyncLLM, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str, priority: int,
+    lora_request: LoRARequest | None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(prompts) == 1:
-        async for output in engine.generate(prompts[0], params[0], request_id, priority=priority):
+        async for output in engine.generate(prompts[0], params[0], request_id, priority=priority, lora_request=lora_request):
             yield 0, output
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | None] | BaseException] = asyncio.Queue()
 
     async def pump(index: int) -> None:
         try:
-            async for output in engine.generate(prompts[index], params[index], f"{request_id}-{index}", priority=priority):
+            async for output in engine.generate(prompts[index], params[index], f"{request_id}-{index}", priority=priority,
+                                                lora_request=lora_request):
                 queue.put_nowait((index, output))
             queue.put_nowait((index, None))
         except Exception as error:  # handed to the consumer, which raises it

@@ -18,9 +18,16 @@ class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
     `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
     else its jnp reference. An int8 kernel ([in, out], with `scales` [out] set by `quantize_linears`)
-    is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is nnx.Linear's dot."""
+    is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is nnx.Linear's dot.
+    With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added to the product."""
+
+    lora = None  # layers/lora.LoRASlots where attach_lora gave it slots
 
     def __call__(self, x: Float[Array, "... in"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "... out"]:
+        y = self.base_product(x, plan)
+        return y if self.lora is None else y + self.lora(x).astype(y.dtype)
+
+    def base_product(self, x: Float[Array, "... in"], plan: AttentionPlan) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
         if kernel.dtype == jnp.int8:
             # The float32 product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).

@@ -24,6 +24,7 @@ from flax import nnx
 from cbjax.checkpoint.params import param_name
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import declare_quantized
+from cbjax.models.layers.lora import attach_lora
 from cbjax.worker.compilation.buckets import Bucket
 from cbjax.config import EngineConfig
 from cbjax.worker.sample.penalty_state import init_penalty_state
@@ -77,11 +78,18 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
     on_cpu = platform == "cpu"
     dtype = config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
     activation_dtype = jnp.float32 if on_cpu else None  # as LLMEngine: float32 activations on CPU only
-    model = nnx.eval_shape(lambda: declare_quantized(  # as LLMEngine loads it
-        model_class(model_config)(model_config, dtype=jnp.dtype(dtype), activation_dtype=activation_dtype,
-                                  rngs=nnx.Rngs(0), fused_projections=tensor_parallel is None),
-        config.quantization,
-    ))
+
+    def build() -> nnx.Module:  # as LLMEngine loads it
+        model = declare_quantized(
+            model_class(model_config)(model_config, dtype=jnp.dtype(dtype), activation_dtype=activation_dtype,
+                                      rngs=nnx.Rngs(0), fused_projections=tensor_parallel is None),
+            config.quantization,
+        )
+        if config.enable_lora:
+            attach_lora(model, model_config, config.max_loras, config.max_lora_rank)
+        return model
+
+    model = nnx.eval_shape(build)
     num_blocks = config.num_kv_blocks or config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
     return AbstractModelRunner(model, model_config, config, num_blocks, "pallas", tensor_parallel)
 

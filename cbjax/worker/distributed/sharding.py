@@ -100,6 +100,8 @@ class TensorParallel:
         """The partition spec of the parameter at dotted path `name`, of this shape."""
         parts = name.split(".")
         module, leaf = parts[-2], parts[-1]
+        if "lora" in parts:
+            return self._lora_spec(parts[parts.index("lora") - 1], parts[parts.index("lora") + 1], len(shape))
         if self.expert_parallel and is_expert_kernel(tuple(parts)):
             return P(MODEL_AXIS, None, None)  # whole experts per device
         stacked = (None,) * (len(shape) - 2) if leaf == "kernel" else ()  # a MoE layer's experts: [E, in, out]
@@ -113,6 +115,16 @@ class TensorParallel:
             return P(MODEL_AXIS, None)
         if module == "tied_head" and shape[-1] % self.size == 0:
             return P(None, MODEL_AXIS)  # a column block of the transposed embedding
+        return P()
+
+    def _lora_spec(self, projection: str, factor: str, ndim: int) -> P:
+        """A LoRA factor split as the projection it adapts (models/layers/lora.py): a column-parallel one's B
+        [slots, rank, out] by output columns, a row-parallel one's A [parts, slots, rank, in] by input rows
+        (XLA all-reduces x @ A.T, as it does the base product); the other factor whole on every device."""
+        if projection in self.plan.column_parallel and factor == "b":
+            return P(*(None,) * (ndim - 1), MODEL_AXIS)
+        if projection in self.plan.row_parallel and factor == "a":
+            return P(*(None,) * (ndim - 1), MODEL_AXIS)
         return P()
 
     def weight_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
