@@ -4,9 +4,13 @@
 //   w  f32 [N / 32, K, 32]     panel p holds columns 32p..32p+31 of the [K, N] weight, row by row
 //      or bf16 [N / 32, ceil(K / 2), 64]: the same with rows k and k+1 interleaved per column
 //      (column c's pair at 2c, 2c+1; a zero row pads an odd K), as the bf16 dot instruction reads them
+//      or s8 [ceil(N / 32), K, 32] with f32 scales [N]: int8 weights, zero columns padding N up to
+//      a panel, each column's sum multiplied by its scale once at the end (w = q * scales)
 //   y  f32 [rows, N]
 // With bf16 weights x is rounded to bf16 first (to nearest even) and the products summed in
-// f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16).
+// f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16). int8 weights are widened
+// to f32 in registers, a step of 32 at a time, and never stored as floats: the stream is a quarter
+// of float32's bytes.
 //
 // Why: in a decode step the projections are skinny (8-64 rows against K x N weights), so they
 // are a stream over the weights. XLA:CPU's dots read them at about half the rate a plain sum
@@ -49,6 +53,11 @@ struct PanelBF16 {
   using X = uint32_t;
   static constexpr int64_t kPerStep = 2;
 };
+struct PanelI8 {  // sums of x * q; the column's scale multiplies the sum
+  using W = int8_t;
+  using X = float;
+  static constexpr int64_t kPerStep = 1;
+};
 
 inline float bf16_to_float(uint32_t half) {
   const uint32_t bits = half << 16;
@@ -67,18 +76,31 @@ inline uint32_t float_to_bf16(float f) {  // round to nearest even, as XLA's con
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // rows of sums a pass keeps in registers: 2 x 8 of the 32 vector registers
 
+// A panel's 32 columns at one step as two vectors of 16 floats (int8 sign-extended and converted).
+template <typename Tag>
+inline void load_step(const typename Tag::W* wp, __m512& w0, __m512& w1) {
+  if constexpr (std::is_same_v<Tag, PanelF32>) {
+    w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+  } else {
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp))));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16))));
+  }
+}
+
 // R rows of x (rows `steps` X apart) times one panel (steps x 32 columns, contiguous) -> R x 32
-// sums, stored at y (rows ldy floats apart).
+// sums, their first `width` columns stored at y (rows ldy floats apart), times `scales` for int8.
 template <int R, typename Tag>
-void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy) {
+void pass(const typename Tag::X* x, const typename Tag::W* panel, const float* scales, float* y, int64_t steps,
+          int64_t ldy, int64_t width) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   constexpr int64_t stride = kPanel * Tag::kPerStep;  // weights per step of a panel
   const typename Tag::W* wp = panel;
   for (int64_t k = 0; k < steps; ++k, wp += stride) {
     _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * stride), _MM_HINT_T0);
-    if constexpr (std::is_same_v<Tag, PanelF32>) {
-      const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+    if constexpr (!std::is_same_v<Tag, PanelBF16>) {
+      __m512 w0, w1;
+      load_step<Tag>(wp, w0, w1);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * steps + k]);
         acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
@@ -107,69 +129,86 @@ void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int6
 #endif
     }
   }
+  const __mmask16 low = width >= 16 ? 0xffff : (1u << width) - 1;
+  const __mmask16 high = width >= 32 ? 0xffff : width <= 16 ? 0 : (1u << (width - 16)) - 1;
+  if constexpr (std::is_same_v<Tag, PanelI8>) {
+    const __m512 s0 = _mm512_maskz_loadu_ps(low, scales), s1 = _mm512_maskz_loadu_ps(high, scales + 16);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_mul_ps(acc[r][0], s0), acc[r][1] = _mm512_mul_ps(acc[r][1], s1);
+  }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    _mm512_mask_storeu_ps(y + r * ldy, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, high, acc[r][1]);
   }
 }
 #else
 constexpr int kRows = 4;  // without AVX-512: fewer rows, the compiler's own vectors
 
 template <int R, typename Tag>
-void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy) {
+void pass(const typename Tag::X* x, const typename Tag::W* panel, const float* scales, float* y, int64_t steps,
+          int64_t ldy, int64_t width) {
   float acc[R][kPanel] = {};
   constexpr int64_t stride = kPanel * Tag::kPerStep;
   const typename Tag::W* wp = panel;
   for (int64_t k = 0; k < steps; ++k, wp += stride)
     for (int r = 0; r < R; ++r) {
-      if constexpr (std::is_same_v<Tag, PanelF32>) {
+      if constexpr (!std::is_same_v<Tag, PanelBF16>) {
         const float xv = x[r * steps + k];
-        for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * wp[c];
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * static_cast<float>(wp[c]);
       } else {
         const uint32_t pair = x[r * steps + k];
         const float x0 = bf16_to_float(pair & 0xffffu), x1 = bf16_to_float(pair >> 16);
         for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * bf16_to_float(wp[2 * c]) + x1 * bf16_to_float(wp[2 * c + 1]);
       }
     }
-  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
+  for (int r = 0; r < R; ++r) {
+    if constexpr (std::is_same_v<Tag, PanelI8>)
+      for (int64_t c = 0; c < width; ++c) acc[r][c] *= scales[c];
+    std::memcpy(y + r * ldy, acc[r], width * sizeof(float));
+  }
 }
 #endif
 
 // The rows left after the full passes, in one pass of exactly that many (each count its own
 // unrolled loop).
 template <typename Tag, int R = kRows>
-void tail(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy, int64_t rows) {
+void tail(const typename Tag::X* x, const typename Tag::W* panel, const float* scales, float* y, int64_t steps,
+          int64_t ldy, int64_t width, int64_t rows) {
   if constexpr (R > 0) {
-    if (rows == R) return pass<R, Tag>(x, panel, y, steps, ldy);
-    tail<Tag, R - 1>(x, panel, y, steps, ldy, rows);
+    if (rows == R) return pass<R, Tag>(x, panel, scales, y, steps, ldy, width);
+    tail<Tag, R - 1>(x, panel, scales, y, steps, ldy, width, rows);
   }
 }
 
+// Panel p's columns of every row: y[:, 32p : 32p + width] (width < 32 only for an int8 weight's last panel).
 template <typename Tag>
-void panel_product(const typename Tag::X* x, const typename Tag::W* w, float* y, int64_t rows, int64_t steps,
-                   int64_t N, int64_t p) {
+void panel_product(const typename Tag::X* x, const typename Tag::W* w, const float* scales, float* y, int64_t rows,
+                   int64_t steps, int64_t N, int64_t p) {
   const typename Tag::W* panel = w + p * steps * kPanel * Tag::kPerStep;
+  const float* panel_scales = scales == nullptr ? nullptr : scales + p * kPanel;
+  const int64_t width = std::min(kPanel, N - p * kPanel);
   int64_t m = 0;
-  for (; m + kRows <= rows; m += kRows) pass<kRows, Tag>(x + m * steps, panel, y + m * N + p * kPanel, steps, N);
-  if (m < rows) tail<Tag>(x + m * steps, panel, y + m * N + p * kPanel, steps, N, rows - m);
+  for (; m + kRows <= rows; m += kRows)
+    pass<kRows, Tag>(x + m * steps, panel, panel_scales, y + m * N + p * kPanel, steps, N, width);
+  if (m < rows) tail<Tag>(x + m * steps, panel, panel_scales, y + m * N + p * kPanel, steps, N, width, rows - m);
 }
 
 // Panels shared out between the calling thread and XLA's intra-op threads.
 template <typename Tag>
-void multiply(ffi::ThreadPool& pool, const typename Tag::X* x, const typename Tag::W* w, float* y, int64_t rows,
-              int64_t steps, int64_t panels) {
-  const int64_t N = panels * kPanel;
-  cbjax_kernels::share_out(pool, panels, [=](int64_t p) { panel_product<Tag>(x, w, y, rows, steps, N, p); });
+void multiply(ffi::ThreadPool& pool, const typename Tag::X* x, const typename Tag::W* w, const float* scales,
+              float* y, int64_t rows, int64_t steps, int64_t panels, int64_t N) {
+  cbjax_kernels::share_out(pool, panels, [=](int64_t p) { panel_product<Tag>(x, w, scales, y, rows, steps, N, p); });
 }
 
-// Checks x's, w's (k_per_step k per step of a panel) and y's shapes; sets rows and K.
-ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd, int64_t k_per_step,
+// Checks x's, w's (k_per_step k per step of a panel, N columns) and y's shapes; sets rows and K.
+ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd, int64_t k_per_step, int64_t N,
                   int64_t y_elements, int64_t& rows, int64_t& K) {
   const auto xd = x.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel * k_per_step)
-    return ffi::Error::InvalidArgument("cbjax packed matmul: w must be [N / 32, K, 32] (bf16: [N / 32, ceil(K / 2), 64])");
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel * k_per_step || (N + kPanel - 1) / kPanel != wd[0])
+    return ffi::Error::InvalidArgument(
+        "cbjax packed matmul: w must be [N / 32, K, 32] (bf16: [N / 32, ceil(K / 2), 64]; int8: [ceil(N / 32), K, 32] "
+        "with scales [N])");
   K = xd.back();
-  if ((K + k_per_step - 1) / k_per_step != wd[1] || y_elements * K != x.element_count() * wd[0] * kPanel)
+  if ((K + k_per_step - 1) / k_per_step != wd[1] || y_elements * K != x.element_count() * N)
     return ffi::Error::InvalidArgument("cbjax packed matmul: x's last dim must be w's K and y must be [rows, N]");
   rows = K == 0 ? 0 : x.element_count() / K;
   return ffi::Error::Success();
@@ -178,19 +217,22 @@ ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd, i
 ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   int64_t rows, K;
-  if (auto error = shapes(x, w.dimensions(), 1, y->element_count(), rows, K); error.failure()) return error;
-  const int64_t panels = w.dimensions()[0];
+  const int64_t panels = w.dimensions().size() == 3 ? w.dimensions()[0] : 0;
+  if (auto error = shapes(x, w.dimensions(), 1, panels * kPanel, y->element_count(), rows, K); error.failure())
+    return error;
   if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
   if (rows == 0 || panels == 0 || K == 0) return ffi::Error::Success();
-  multiply<PanelF32>(pool, x.typed_data(), w.typed_data(), y->typed_data(), rows, K, panels);
+  multiply<PanelF32>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), rows, K, panels, panels * kPanel);
   return ffi::Error::Success();
 }
 
 ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   int64_t rows, K;
-  if (auto error = shapes(x, w.dimensions(), 2, y->element_count(), rows, K); error.failure()) return error;
-  const int64_t panels = w.dimensions()[0], steps = (K + 1) / 2;
+  const int64_t panels = w.dimensions().size() == 3 ? w.dimensions()[0] : 0;
+  if (auto error = shapes(x, w.dimensions(), 2, panels * kPanel, y->element_count(), rows, K); error.failure())
+    return error;
+  const int64_t steps = (K + 1) / 2;
   if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
   if (rows == 0 || panels == 0 || K == 0) return ffi::Error::Success();
   // x rounded to bf16 pairs, a zero after an odd K (the caller waits for every panel, so this
@@ -203,8 +245,22 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       const uint32_t hi = k + 1 < K ? float_to_bf16(xp[r * K + k + 1]) : 0u;
       pairs[r * steps + s] = float_to_bf16(xp[r * K + k]) | (hi << 16);
     }
-  multiply<PanelBF16>(pool, pairs.data(), reinterpret_cast<const uint16_t*>(w.typed_data()), y->typed_data(), rows,
-                      steps, panels);
+  multiply<PanelBF16>(pool, pairs.data(), reinterpret_cast<const uint16_t*>(w.typed_data()), nullptr, y->typed_data(),
+                      rows, steps, panels, panels * kPanel);
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t rows, K;
+  const int64_t N = scales.element_count();
+  if (scales.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: int8 scales must be [N]");
+  if (auto error = shapes(x, w.dimensions(), 1, N, y->element_count(), rows, K); error.failure()) return error;
+  if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
+  if (rows == 0 || N == 0 || K == 0) return ffi::Error::Success();
+  multiply<PanelI8>(pool, x.typed_data(), w.typed_data(), scales.typed_data(), y->typed_data(), rows, K,
+                    w.dimensions()[0], N);
   return ffi::Error::Success();
 }
 
@@ -221,4 +277,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulBF16, matmul_bf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8, matmul_i8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

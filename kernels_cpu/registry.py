@@ -29,6 +29,7 @@ SYMBOLS = (
     *(kernel + suffix for kernel in ATTENTION_KERNELS for suffix in POOL_SUFFIXES.values()),
     "CbjaxPackedMatmulF32",
     "CbjaxPackedMatmulBF16",
+    "CbjaxPackedMatmulI8",
 )
 
 _lock = threading.Lock()  # held while the library is built and registered

@@ -53,19 +53,18 @@ def load_model(
     fused_projections: the model built with fused_projections=True, its fused kernels made
     from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
     quantization: "int8" quantizes every decoder projection here, at load, after fusing (see
-    quantize_linears; not with pack_for_cpu, whose packed kernel is float32 only). The checkpoint
-    and the weights cache stay float.
+    quantize_linears; with pack_for_cpu, into int8 panels for the C++ matmul). The checkpoint and
+    the weights cache stay float.
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
     if fused_projections and tensor_parallel is not None:
         raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
-    if pack_for_cpu and quantization is not None:
-        raise ValueError(f"quantization={quantization!r} needs pack_for_cpu=False: the packed CPU matmul is float32 only")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
-    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu)
+    # Quantized projections are packed after quantizing (int8 panels), not as floats here.
+    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None)
     if (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
             ckpt_dir / PARAMS_DIR, model_dtype, expected,
@@ -80,7 +79,7 @@ def load_model(
         if arrange is not None:
             params = arrange[1](params)
     if tensor_parallel is None:
-        params = _quantize(params, quantization)
+        params = _quantize(params, quantization, pack=pack_for_cpu)
         model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections,
                             quantization=quantization)
     else:
@@ -111,16 +110,18 @@ def _arrangement(
     return "+".join(name for name, _ in steps), arrange
 
 
-def _quantize(params: dict[str, np.ndarray | jax.Array], quantization: str | None) -> dict[str, np.ndarray | jax.Array]:
+def _quantize(
+    params: dict[str, np.ndarray | jax.Array], quantization: str | None, pack: bool = False,
+) -> dict[str, np.ndarray | jax.Array]:
     """quantize_linears, and the start-up log line that says what it did."""
     if quantization is None:
         return params
     before = sum(array.nbytes for array in params.values())
-    params = quantize_linears(params, quantization)
+    params = quantize_linears(params, quantization, pack)
     num_projections = sum(name.endswith(".scales") for name in params)
     after = sum(array.nbytes for array in params.values())
-    logger.info("quantization: %s (%d projections, %.2f GiB -> %.2f GiB)", quantization, num_projections,
-                before / 2**30, after / 2**30)
+    logger.info("quantization: %s (%d projections%s, %.2f GiB -> %.2f GiB)", quantization, num_projections,
+                ", packed for the C++ matmul" if pack else "", before / 2**30, after / 2**30)
     return params
 
 

@@ -64,14 +64,15 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     # load and the steps are traced; the runner waits for it before it compiles them.
     kernel_build = register_in_background() if device.platform == "cpu" and config.attention_backend in ("auto", "cpp") else None
     # Under TP, model_config counts KV heads after repetition (see cbjax/worker/distributed/sharding.py).
-    # The packed C++ matmul is float32 only: int8 projections run as (x @ q) * scales instead.
+    # Float32 projections are packed as float32 panels, int8 ones (quantization="int8") as int8 panels.
     pack_for_cpu = (kernel_build is not None and config.cpu_packed_weights and tensor_parallel is None
-                    and config.num_processes == 1 and config.quantization is None)
-    if config.quantization is not None and device.platform == "cpu":
+                    and config.num_processes == 1)
+    if config.quantization is not None and device.platform == "cpu" and not pack_for_cpu:
         warnings.warn(
-            f"quantization={config.quantization!r} on a CPU runs slower than float32 for now: XLA:CPU converts the int8 "
-            "weights before each dot and the packed float32 C++ matmul is off (benchmarks/quantization.py); it saves "
-            "memory, not time. Leave quantization unset for speed here.", RuntimeWarning, stacklevel=2)
+            f"quantization={config.quantization!r} on a CPU without the packed C++ matmul (cpu_packed_weights=False, "
+            "tensor_parallel_size > 1, several processes or attention_backend other than 'auto'/'cpp') runs slower "
+            "than float32: XLA:CPU converts the int8 weights before each dot (benchmarks/quantization.py); it saves "
+            "memory, not time. Keep the defaults on one device for int8's speed.", RuntimeWarning, stacklevel=2)
     # One device: q/k/v and gate/up as one kernel each (3 dots and 3 arrays fewer per layer).
     model, mc = load_model(
         config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,

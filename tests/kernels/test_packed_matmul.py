@@ -23,6 +23,7 @@ from helpers_hf import hf_logits, make_tiny_hf_model
 from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.weights_cache import DISABLE_ENV
 from kernels_cpu import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu.quant import quantize_int8
 from cbjax.models.layers.attention import AttentionPlan
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
@@ -108,7 +109,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
-    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops)."""
+    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 panels too."""
     import kernels_cpu.build as kernel_build
 
     if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
@@ -125,6 +126,14 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
             x, w, expected = product(np.random.default_rng(rows), rows, k, n, dtype)
             out = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, n), jnp.float32))(x, pack_weight(w))
             assert_product(out, expected, k)
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulI8_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulI8),
+                                platform="cpu")
+    for rows, k, n in [(1, 5, 31), (9, 577, 96), (17, 64, 40)]:
+        x, w, _ = product(np.random.default_rng(rows), rows, k, n)
+        q, scales = quantize_int8(w)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(q), scales)
+        assert_product(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), k)
 
 
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:

@@ -3,7 +3,8 @@
 The reference is independent of the wiring under test: each projection's HF weight [out, in] is
 quantized per output channel in torch's layout and written back as q * scales, so transformers
 computes exactly the function an engine with the right weights, scales, fusing and layout computes,
-to float32 accumulation. One tiny int8 engine (hidden 64, vocab 320) serves every test here.
+to float32 accumulation. One tiny int8 engine (hidden 64, vocab 320) serves every test here; on a CPU it
+multiplies int8 panels with the C++ kernel (kernels_cpu/packed_matmul.cc), elsewhere (x @ q) * scales in jnp.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 from flax import nnx
 from engine_helpers import COMPILES, ENGINE_OPTIONS, hf_greedy, random_prompts
 from helpers_hf import hf_logits, load_hf_model
+from test_packed_matmul import forward_logits
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
+from cbjax.checkpoint.loader import load_model
 from cbjax.plan.capacity import PRESETS_DIR
 from kernels_cpu.quant import quantize_int8
 
@@ -56,7 +59,10 @@ def test_projections_are_int8_with_float32_scales_and_the_rest_float(llm):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     hidden, inner = 64, 128
     assert attn.qkv_proj.kernel.dtype == np.int8 and attn.qkv_proj.scales.shape == (hidden + 2 * 32,)
-    assert mlp.gate_up_proj.kernel.shape == (hidden, 2 * inner) and mlp.down_proj.scales.dtype == np.float32
+    on_cpu = jax.devices()[0].platform == "cpu"  # int8 panels [out / 32, in, 32] for the C++ matmul
+    assert llm.llm_engine.backend == "cpp" or not on_cpu
+    assert mlp.gate_up_proj.kernel.shape == ((2 * inner // 32, hidden, 32) if on_cpu else (hidden, 2 * inner))
+    assert mlp.down_proj.scales.dtype == np.float32
     assert model.model.embed_tokens.embedding.dtype == np.float32 and model.lm_head.kernel.dtype == np.float32
 
 
@@ -82,6 +88,21 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights_without_com
         COMPILES.armed = False
     assert COMPILES.count == 0
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(tiny[2], p, 8) for p in prompts]
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernel is an XLA:CPU custom call")
+def test_int8_panels_by_the_cpp_kernel_give_the_unpacked_jnp_logits(tiny):
+    """The CPU engine's int8 panels through the C++ kernel compute what the unpacked (x @ q) * scales
+    path does (served under TP or cpu_packed_weights=False); the panels' jnp fallback is checked in
+    tests/kernels/test_packed_int8_matmul.py."""
+    unpacked, _ = load_model(tiny[1], quantization="int8")
+    packed, _ = load_model(tiny[1], quantization="int8", pack_for_cpu=True)
+    assert packed.model.layers[0].self_attn.k_proj.kernel[...].shape == (1, 64, 32)  # 32 wide: one panel
+    assert unpacked.model.layers[0].self_attn.k_proj.kernel[...].shape == (64, 32)
+    tokens = random_prompts(5, [30])[0]  # forward_logits holds 32 tokens
+    got, want = forward_logits(packed, tokens, "cpp"), forward_logits(unpacked, tokens, "cpp")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()  # the greedy token at every position
 
 
 def test_int8_steps_lower_for_cuda_at_tp8_from_abstract_weights(tmp_path):

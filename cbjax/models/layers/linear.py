@@ -16,10 +16,11 @@ from kernels_cpu.quant import int8_matmul, quantize_int8
 
 class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
-    `pack_linears`): then the product is the C++ kernel's where the plan runs the C++ kernels,
-    else its jnp reference. An int8 kernel ([in, out], with `scales` [out] set by `quantize_linears`)
-    is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is nnx.Linear's dot.
-    With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added to the product."""
+    `pack_linears`, or int8 panels by `quantize_linears`): then the product is the C++ kernel's where
+    the plan runs the C++ kernels, else its jnp reference. An int8 kernel (with `scales` [out] set by
+    `quantize_linears`) is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is
+    nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
+    to the product."""
 
     lora = None  # layers/lora.LoRASlots where attach_lora gave it slots
 
@@ -29,13 +30,14 @@ class Linear(nnx.Linear):
 
     def base_product(self, x: Float[Array, "... in"], plan: AttentionPlan) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
-        if kernel.dtype == jnp.int8:
+        scales = self.scales[...] if kernel.dtype == jnp.int8 else None
+        if scales is not None and kernel.ndim == 2:
             # The float32 product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
-            y = int8_matmul(x, kernel, self.scales[...]).astype(self.preferred_element_type or x.dtype)
+            y = int8_matmul(x, kernel, scales).astype(self.preferred_element_type or x.dtype)
             return y if self.bias is None else y + self.bias[...]
         if kernel.ndim == 2:
             return super().__call__(x)
-        y = packed_matmul_cpu(x, kernel) if plan.backend == "cpp" else packed_matmul_reference(x, kernel)
+        y = packed_matmul_cpu(x, kernel, scales) if plan.backend == "cpp" else packed_matmul_reference(x, kernel, scales)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -65,19 +67,20 @@ def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
     return ".layers." in kernel_name and kernel_name.endswith("_proj.kernel") and len(shape) == 2
 
 
-def quantize_linears(params: dict[str, np.ndarray], quantization: str | None) -> dict[str, np.ndarray]:
+def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pack: bool = False) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant):
-    `...kernel` int8 and `...scales` [out] float32 beside it. Embeddings and the LM head stay in the
-    activation dtype (their rows are gathered, and the head's error lands on every logit). Run on the
-    float weights at load, after fuse_projections (a fused kernel's columns keep their own scales)
-    and instead of pack_linears (the packed kernel is float32 only). One tensor at a time: each
-    quantized copy replaces its original."""
+    `...kernel` int8 and `...scales` [out] float32 beside it; with `pack`, the int8 kernel packed in
+    32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
+    stay in the activation dtype (their rows are gathered, and the head's error lands on every logit).
+    Run on the float weights at load, after fuse_projections (a fused kernel's columns keep their own
+    scales) and instead of pack_linears. One tensor at a time: each quantized copy replaces its original."""
     check_quantization(quantization)
     if quantization is None:
         return params
     for name in list(params):
         if is_quantized_projection(name, params[name].shape):
-            params[name], params[name.removesuffix("kernel") + "scales"] = quantize_int8(params.pop(name))
+            q, params[name.removesuffix("kernel") + "scales"] = quantize_int8(params.pop(name))
+            params[name] = pack_weight(q) if pack else q
     return params
 
 
