@@ -110,7 +110,7 @@ def run_host_in_process(core: Any, num_running: int, prompt_len: int, output_len
     passage = core.tokenizer.encode(PASSAGE)
     core.call(_start_run, delay_s, async_scheduling, hash_algo)
     arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    core.add_requests([(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put, 0)  # all before a step
+    core.add_requests([(f"host-{i}", {"prompt_token_ids": passage[:prompt_len]}, params, arrived.put, 0, None)  # all before a step
                        for i, params in enumerate(host_params(output_len, num_running, variant, output_kind, finish))])
     finished, elapsed = wait_finished(arrived, num_running)
     return measure(core.call(_timeline_steps), finished, elapsed, num_running, finish) | setting_of(

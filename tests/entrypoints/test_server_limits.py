@@ -54,8 +54,8 @@ class FakeEngine:
         self.num_tokens = 4
         self.started: list[str] = []
 
-    async def generate(self, prompt: dict, params: SamplingParams, request_id: str, *, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str, *, priority: int = 0,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         self.started.append(request_id)
         while not self.released.is_set():
             await asyncio.sleep(0.005)

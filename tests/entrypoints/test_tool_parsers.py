@@ -90,7 +90,7 @@ async def replayed(pieces: list[str]):
 
 
 def test_a_streamed_and_a_whole_reply_give_the_openai_client_the_same_calls_and_reasoning():
-    state = SimpleNamespace(reasoning_parser=REASONING["deepseek_r1"], served_model_name="m")
+    state = SimpleNamespace(reasoning_parser=REASONING["deepseek_r1"], served_model_name="m", lora_adapters={})
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=True)
     pieces = [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)]  # tags cut across deltas
 
