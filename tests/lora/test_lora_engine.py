@@ -25,7 +25,7 @@ from cbjax import LLM, AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
 from cbjax.config import EngineConfig
 from cbjax.engine.llm_engine import LLMEngine
 from cbjax.entrypoints.openai.app import build_app
-from cbjax.entrypoints.openai.lora_adapters import ALLOW_RUNTIME_UPDATING, load_adapter
+from cbjax.entrypoints.openai.lora_adapters import ALLOW_RUNTIME_UPDATING, VLLM_ALLOW_RUNTIME_UPDATING, load_adapter
 from cbjax.entrypoints.openai.serving import ServerState
 
 NUM_TOKENS = 6
@@ -184,6 +184,9 @@ def test_server_serves_adapters_by_model_name_and_loads_them_at_run_time_when_al
 
     closed = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
     asyncio.run(load_adapter(state, "sql", llama.requests["everything"].lora_path))  # as --lora-modules sql=PATH
+    monkeypatch.setenv(VLLM_ALLOW_RUNTIME_UPDATING, "1")  # vLLM's name opens them too
+    assert "/v1/load_lora_adapter" in {route.path for route in build_app(state, CollectorRegistry(), "sesame", 1 << 20).routes}
+    monkeypatch.delenv(VLLM_ALLOW_RUNTIME_UPDATING)
     monkeypatch.setenv(ALLOW_RUNTIME_UPDATING, "true")
     app = build_app(state, CollectorRegistry(), "sesame", 1 << 20)
     completion = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True}

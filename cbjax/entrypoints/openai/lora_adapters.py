@@ -1,6 +1,6 @@
 """The server's LoRA adapters (vLLM's serving models): a request's `model` names one; `--lora-modules
 name=path` loads them at start, and /v1/load_lora_adapter and /v1/unload_lora_adapter at run time
-when CBJAX_ALLOW_RUNTIME_LORA_UPDATING is set (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+when CBJAX_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING is set."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from cbjax.entrypoints.openai.serving import ServerState
 from cbjax.lora.request import LoRARequest
 
 ALLOW_RUNTIME_UPDATING = "CBJAX_ALLOW_RUNTIME_LORA_UPDATING"
+VLLM_ALLOW_RUNTIME_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # a vLLM deployment's environment works unchanged
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
@@ -56,7 +57,7 @@ def model_cards(state: ServerState) -> list[ModelCard]:
 
 def add_runtime_routes(app: FastAPI, state: ServerState) -> None:
     """/v1/load_lora_adapter and /v1/unload_lora_adapter, only where the environment allows them."""
-    if os.environ.get(ALLOW_RUNTIME_UPDATING, "").lower() not in ("1", "true"):
+    if not any(os.environ.get(name, "").lower() in ("1", "true") for name in (ALLOW_RUNTIME_UPDATING, VLLM_ALLOW_RUNTIME_UPDATING)):
         return
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
