@@ -1,4 +1,4 @@
-"""Speculative decoding on SmolLM2, side by side: `python -m benchmarks.spec_decode [--out result.json]`.
+"""Speculative decoding on SmolLM2, side by side: `python -m benchmarks.spec_decode [--result-json result.json]`.
 
 Two engines of the same options: one without speculation, one with speculative_config (k drafts, its
 n-gram proposer swapped for suffix decoding between runs: the proposer is host state, so both methods
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--copy-requests", type=int, default=4, help="copy requests per batch size")
     parser.add_argument("--random-seqs", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
+    parser.add_argument("--result-json", default=None, help="write the result here as JSON")
     args = parser.parse_args()
 
     options = dict(max_num_seqs=max(32, args.random_seqs, *args.copy_batches), max_model_len=1024,
@@ -104,7 +104,7 @@ def main() -> None:
             rows.append({"workload": name, "method": method, **result, "speedup": result["output_tok_s"] / off["output_tok_s"]})
     print_table(rows, ["workload", "method", "output_tokens", "output_tok_s", "speedup", "acceptance_rate",
                        "mean_acceptance_length"])
-    write_json(args.out, {"options": options, "speculative_config": spec, "rows": rows})
+    write_json(args.result_json, {"options": options, "speculative_config": spec, "rows": rows})
 
 
 if __name__ == "__main__":
