@@ -7,13 +7,18 @@ share one compiled engine). Workloads:
            for), greedy, at --copy-batches requests in flight (1 and 4: one request at a time, then 4)
   random   random-token prompts, greedy without eos, --random-seqs at once (speculation rarely helps:
            the adaptive switch, disable_by_batch_size, must keep it from costing)
-Reported per workload and method: output tokens/s, the speedup over off, acceptance rate (accepted /
-drafted tokens) and mean acceptance length (tokens per verifying step of a request, the bonus counted).
+Each run starts from an empty prefix cache (else a method run after another would find its prompts
+cached). A warm-up round is run first and not counted; then --rounds rounds, the methods' order rotating
+from round to round, so neither order nor the machine's drift favours one. Reported per workload and
+method: the median output tokens/s, the median of the rounds' speedups over off, acceptance rate
+(accepted / drafted tokens) and mean acceptance length (tokens per verifying step of a request, the bonus
+counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -52,7 +57,9 @@ def random_prompts(count: int, length: int, vocab: int) -> list[dict]:
 
 
 def run(llm: LLM, prompts: list[dict], params: SamplingParams, batch: int) -> dict:
-    """Output tokens/s with `batch` requests in flight at a time, and the speculation counters' change."""
+    """Output tokens/s with `batch` requests in flight at a time, from an empty prefix cache, and the
+    speculation counters' change."""
+    llm.reset_prefix_cache()
     before = llm.get_stats()
     start, num_tokens = time.perf_counter(), 0
     for first in range(0, len(prompts), batch):
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--copy-requests", type=int, default=4, help="copy requests per batch size")
     parser.add_argument("--random-seqs", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3, help="counted rounds, after one warm-up round")
     parser.add_argument("--result-json", default=None, help="write the result here as JSON")
     args = parser.parse_args()
 
@@ -94,14 +102,30 @@ def main() -> None:
                  for batch in args.copy_batches]
     workloads.append((f"random@{args.random_seqs}", random_prompts(args.random_seqs, 64, 49152),
                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), args.random_seqs))
+    methods = ["off", "ngram", "suffix"]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for index in range(1 + args.rounds):  # round 0 warms both engines up and is not counted
+        order = methods[index % 3:] + methods[: index % 3]
+        for name, prompts, params, batch in workloads:
+            for method in order:
+                engine = engines["off" if method == "off" else "spec"]
+                if method != "off":
+                    engine.llm_engine.core.speculation.drafter = Drafter(SpeculativeConfig.of({**spec, "method": method}))
+                result = run(engine, prompts, params, batch)
+                if index > 0:
+                    runs.setdefault((name, method), []).append(result)
     rows = []
-    for name, prompts, params, batch in workloads:
-        off = run(engines["off"], prompts, params, batch)
-        rows.append({"workload": name, "method": "off", **off, "speedup": 1.0})
-        for method in ("ngram", "suffix"):
-            engines["spec"].llm_engine.core.speculation.drafter = Drafter(SpeculativeConfig.of({**spec, "method": method}))
-            result = run(engines["spec"], prompts, params, batch)
-            rows.append({"workload": name, "method": method, **result, "speedup": result["output_tok_s"] / off["output_tok_s"]})
+    for name, *_ in workloads:
+        off = runs[(name, "off")]
+        for method in methods:
+            results = runs[(name, method)]
+            speedups = [r["output_tok_s"] / o["output_tok_s"] for r, o in zip(results, off)]
+            row = {"workload": name, "method": method, "output_tokens": results[0]["output_tokens"],
+                   "output_tok_s": statistics.median(r["output_tok_s"] for r in results),
+                   "speedup": statistics.median(speedups), "speedup_rounds": speedups}
+            if "acceptance_rate" in results[0]:
+                row |= {key: statistics.median(r[key] for r in results) for key in ("acceptance_rate", "mean_acceptance_length")}
+            rows.append(row)
     print_table(rows, ["workload", "method", "output_tokens", "output_tok_s", "speedup", "acceptance_rate",
                        "mean_acceptance_length"])
     write_json(args.result_json, {"options": options, "speculative_config": spec, "rows": rows})
