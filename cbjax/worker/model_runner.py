@@ -94,7 +94,8 @@ class StepInputs:
     token_penalty_slots: Int[Array, "tokens"]  # the token's request's penalty slot, NO_SLOT without penalties
     token_prompt_lens: Int[Array, "tokens"]  # its request's prompt length (penalty rows only)
     prompt_logprob_targets: Int[Array, "tokens"]  # the next prompt token, where prompt_logprobs asked; else -1
-    lora_slots: Int[Array, "tokens"]  # the token's request's LoRA slot (lora_slots.py), 0: no adapter
+    # with enable_lora: the token's request's LoRA slot (lora_slots.py), 0: no adapter
+    lora_slots: Int[Array, "tokens"] | None = None
     drafts: DraftInputs | None = None  # with speculative decoding configured: the drafts to verify
 
 
@@ -262,7 +263,7 @@ class ModelRunner:
             token_penalty_slots=np.full(num_tokens, NO_SLOT, np.int32),
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
-            lora_slots=zeros(num_tokens),
+            lora_slots=zeros(num_tokens) if self.lora is not None else None,
             drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None,
         )
 

@@ -107,7 +107,8 @@ def follow(previous: PreparedStep | None, bucket: Bucket, scheduled: SchedulerOu
         # (Every row of a followable step samples one token: its row, token and sampling row are one index.)
         new = fresh_inputs(bucket)
         for name in ("token_penalty_slots", "token_prompt_lens", "lora_slots"):
-            getattr(new, name)[:num_rows] = getattr(old, name)[source]
+            if getattr(old, name) is not None:  # lora_slots: with enable_lora only
+                getattr(new, name)[:num_rows] = getattr(old, name)[source]
         for field in dataclasses.fields(old.sampling):
             getattr(new.sampling, field.name)[:num_rows] = getattr(old.sampling, field.name)[source]
         new.attention.table_slots[:num_rows] = old.attention.table_slots[source]
