@@ -12,7 +12,7 @@ its tokens the draft fed itself and that the target kept.
 from __future__ import annotations
 
 import dataclasses
-import logging
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.resolve import resolve_model
 from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
 from cbjax.core.spec.config import SpeculativeConfig
@@ -31,8 +32,6 @@ from cbjax.worker.compilation.buckets import powers_of_two
 from cbjax.worker.model_runner import kv_cache_dtype, matmul_precision
 from cbjax.worker.spec.draft_rows import draft_rows_needed
 from cbjax.worker.spec.draft_steps import DraftStepInputs, draft_program
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,9 +84,13 @@ class DraftModelProposer:
                              f"{config.tensor_parallel_size}, num_processes={config.num_processes}; serve the target "
                              "on one device, or use method 'ngram' or 'suffix'")
         self.k = spec.num_speculative_tokens
-        draft_config = ModelConfig.from_dir(spec.model)  # checked before any weight is read
-        check_draft_model(draft_config, target_vocab_size, config.max_model_len, spec.model)
-        model, self.model_config = load_model(spec.model, dtype=dtype, activation_dtype=activation_dtype)
+        if not (Path(spec.model).expanduser() / "config.json").is_file():
+            raise ValueError(f"speculative_config model={spec.model!r} is not a model directory (no config.json); pass "
+                             "the draft's converted checkpoint or Hugging Face directory")
+        # Checked before any weight is read or an HF directory converted.
+        check_draft_model(ModelConfig.from_dir(Path(spec.model).expanduser()), target_vocab_size, config.max_model_len,
+                          spec.model)
+        model, self.model_config = load_model(resolve_model(spec.model), dtype=dtype, activation_dtype=activation_dtype)
         self.block_size = bs = config.block_size
         self.num_rows = max(2, draft_rows_needed(config))  # two rows at least: XLA:CPU's one-row dots are slow
         self.max_blocks = -(-(config.max_model_len + self.k) // bs)
@@ -130,8 +133,9 @@ class DraftModelProposer:
             self._allocate(sequence, batch)
         drafts = self._propose(batch)
         for sequence, proposed in zip(batch, drafts):
-            sequence.num_computed_tokens = sequence.num_proposed_from = sequence.request.num_tokens
+            sequence.num_proposed_from = sequence.request.num_tokens
             sequence.fed_drafts = proposed[:-1]  # the loop fed all but the last
+            sequence.num_computed_tokens = sequence.num_proposed_from + len(sequence.fed_drafts)
         return drafts + [[] for _ in requests[self.num_rows :]]
 
     def finish(self, request: Request) -> None:
