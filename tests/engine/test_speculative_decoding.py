@@ -19,6 +19,7 @@ from helpers_hf import hf_logits, make_tiny_hf_model
 from tiny_llm import llm, tiny  # noqa: F401
 
 from cbjax import LLM, SamplingParams
+from cbjax.config import EngineConfig
 from cbjax.core.request import Request
 from cbjax.core.spec.config import SpeculativeConfig
 from cbjax.worker.spec.draft_model import DraftModelProposer
@@ -291,10 +292,14 @@ def test_draft_model_greedy_equals_without_and_frees_every_draft_block(llm, spec
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_draft_model_with_another_vocabulary_is_refused_naming_both(tiny, tmp_path):  # noqa: F811
+def test_draft_model_with_another_vocabulary_a_missing_directory_or_tensor_parallel_is_refused(tiny, tmp_path):  # noqa: F811
     draft = make_tiny_hf_model(tmp_path, "llama", vocab_size=256)
     with pytest.raises(ValueError, match="has vocab_size 256; the target model has 320"):
         LLM(str(tiny[1]), **ENGINE_OPTIONS, speculative_config={"model": str(draft), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"model='.*missing' is not a model directory \(no config.json\)"):
         LLM(str(tiny[1]), **ENGINE_OPTIONS, speculative_config={"method": "draft_model", "model": str(tmp_path / "missing"),
                                                                 "num_speculative_tokens": 2})
+    config = EngineConfig(model=str(tiny[1]), tensor_parallel_size=2, speculative_config={"model": str(tiny[1]),
+                                                                                          "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'draft_model' is not supported with tensor_parallel_size=2, num_processes=1"):
+        DraftModelProposer(config.speculative_config, config, 320, dtype="float32", activation_dtype="float32")
