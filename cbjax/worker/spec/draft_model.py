@@ -12,6 +12,7 @@ its tokens the draft fed itself and that the target kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,11 @@ class DraftModelProposer:
                           spec.model)
         model, self.model_config = load_model(resolve_model(spec.model), dtype=dtype, activation_dtype=activation_dtype)
         self.block_size = bs = config.block_size
+        self.attention_backend = config.attention_backend
         self.num_rows = max(2, draft_rows_needed(config))  # two rows at least: XLA:CPU's one-row dots are slow
         self.max_blocks = -(-(config.max_model_len + self.k) // bs)
         num_blocks = self.num_rows * self.max_blocks + 1  # the null block too
         self.blocks = BlockManager(num_blocks, bs)
-        self.backend = resolve_backend(
-            config.attention_backend, num_q_heads=self.model_config.num_attention_heads,
-            num_kv_heads=self.model_config.num_key_value_heads, head_dim=self.model_config.head_dim, block_size=bs)
         pool_dtype = kv_cache_dtype(config.kv_cache_dtype, model)
         self.kv_pool = init_kv_pool(self.model_config, num_blocks, bs, pool_dtype)
         self._graphdef, state = nnx.split(model)
@@ -113,14 +112,29 @@ class DraftModelProposer:
 
     def precompile(self, progress: bool = True) -> None:
         """Compile one program per token bucket, so proposing never compiles, and run each once."""
-        program = draft_program(self._graphdef, self._state_treedef, self.backend, self.block_size, self.k)
         for num_tokens in tqdm(self.token_buckets, desc="compiling draft steps", disable=not progress):
             inputs = DraftStepInputs.empty(num_tokens, self.num_rows, self.max_blocks)
-            with jax.default_matmul_precision(self.matmul_precision):
-                self.compiled[num_tokens] = program.lower(self.weights, self.kv_pool, inputs).compile()
             inputs.query_start_loc[1:] = inputs.seq_lens[0] = 1  # one token in the null block: the loop's body runs
-            self.kv_pool, drafts = self.compiled[num_tokens](self.weights, self.kv_pool, inputs)
+            self.kv_pool, drafts = self._executable(num_tokens)(self.weights, self.kv_pool, inputs)
             drafts.block_until_ready()
+
+    @functools.cached_property
+    def _program(self) -> Any:
+        # Resolved when first compiled, after the target's steps: a C++ kernel still building is ready then.
+        config = self.model_config
+        backend = resolve_backend(self.attention_backend, num_q_heads=config.num_attention_heads,
+                                  num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                  block_size=self.block_size)
+        return draft_program(self._graphdef, self._state_treedef, backend, self.block_size, self.k)
+
+    def _executable(self, num_tokens: int) -> Any:
+        """The compiled program of a token bucket (compiled now if start-up did not: precompile=False)."""
+        compiled = self.compiled.get(num_tokens)
+        if compiled is None:
+            inputs = DraftStepInputs.empty(num_tokens, self.num_rows, self.max_blocks)
+            with jax.default_matmul_precision(self.matmul_precision):
+                compiled = self.compiled[num_tokens] = self._program.lower(self.weights, self.kv_pool, inputs).compile()
+        return compiled
 
     # ---- proposing ---------------------------------------------------------------
 
@@ -171,7 +185,6 @@ class DraftModelProposer:
         while not self.blocks.can_allocate(sequence, num_new):
             victim = next(idle)
             self.blocks.free(victim)
-            victim.num_computed_tokens = 0
             del self.sequences[victim.request_id]
         self.blocks.allocate(sequence, num_new)
 
@@ -212,5 +225,5 @@ class DraftModelProposer:
                 inputs.seq_lens[i] = start + n
                 inputs.block_tables[i, : len(block_ids)] = block_ids
         inputs.query_start_loc[len(chunks) + 1 :] = offset
-        self.kv_pool, drafts = self.compiled[bucket](self.weights, self.kv_pool, inputs)
+        self.kv_pool, drafts = self._executable(bucket)(self.weights, self.kv_pool, inputs)
         return np.asarray(drafts)
