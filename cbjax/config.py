@@ -67,9 +67,9 @@ class EngineConfig:
     # The model's thinking markers (vLLM's option; `cbjax serve --reasoning-parser` sets it): "deepseek_r1" or
     # "qwen3". A constrained request's grammar then applies from after the reply's </think>, not to the thinking.
     reasoning_parser: str | None = None
-    # Speculative decoding (vLLM's option and names; docs/serving.md): {"method": "ngram" | "suffix",
-    # "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_*",
-    # "disable_by_batch_size"}, a dict or its JSON. Greedy output is token for token the same; requests with
+    # Speculative decoding (vLLM's option and names; docs/serving.md): {"method": "ngram" | "suffix" |
+    # "draft_model", "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_*",
+    # "model" (draft_model: the draft's directory), "disable_by_batch_size"}, a dict or its JSON. Greedy output is token for token the same; requests with
     # penalties, logprobs, bad_words, structured outputs or under min_tokens do not speculate. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pool are split over (one "model" mesh axis)

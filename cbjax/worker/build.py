@@ -27,6 +27,7 @@ from cbjax.worker.compilation.compile_cache import enable_compile_cache
 from cbjax.worker.distributed import multihost
 from cbjax.worker.distributed.sharding import TensorParallel
 from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
+from cbjax.worker.spec.draft_model import DraftModelProposer
 from cbjax.worker.spec.drafter import Drafter
 from cbjax.worker.sample.penalty_state import penalty_state_bytes
 from kernels_cpu import register_in_background
@@ -40,7 +41,18 @@ class Worker:
     model_config: ModelConfig
     platform: str  # the first device's: "cpu", "gpu", ...
     step_broadcast: multihost.StepBroadcast | None  # multi-host: the per-step buffer's ends (None: one process)
-    drafter: Drafter | None = None  # speculative decoding's proposer (None: speculative_config off)
+    drafter: Drafter | DraftModelProposer | None = None  # speculative decoding's proposer (None: speculative_config off)
+
+
+def make_drafter(config: EngineConfig, target_vocab_size: int, *, dtype: str,
+                 activation_dtype: str | None) -> Drafter | DraftModelProposer | None:
+    """speculative_config's proposer (None: off)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec, config, target_vocab_size, dtype=dtype, activation_dtype=activation_dtype)
+    return Drafter(spec)
 
 
 def build_worker(config: EngineConfig, *, precompile: bool = True, progress: bool = True) -> Worker:
@@ -93,6 +105,9 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         block_size=config.block_size,
         wait_for_kernel=kernel_build is None,
     )
+    # A draft model (speculative_config method "draft_model") is loaded before the pool is sized, so the
+    # device memory in use counts its weights and its own small pool.
+    drafter = make_drafter(config, mc.vocab_size, dtype=dtype, activation_dtype=activation_dtype)
     reserved_bytes = 0
     if device.platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         # A profiled step: what the largest steps need besides the pool, measured on a 2-block pool.
@@ -119,5 +134,6 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         start = time.perf_counter()
         runner.precompile(progress=progress)
         logger.info("compiled %d steps in %.1f s", len(runner.buckets), time.perf_counter() - start)
-    drafter = None if config.speculative_config is None else Drafter(config.speculative_config)
+    if precompile and isinstance(drafter, DraftModelProposer):
+        drafter.precompile(progress=progress)
     return Worker(runner, mc, device.platform, step_broadcast, drafter)

@@ -13,6 +13,8 @@ def test_json_and_dict_forms_take_vllms_defaults():
     assert SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
     suffix = SpeculativeConfig.of({"method": "suffix", "suffix_decoding_max_tree_depth": 8})
     assert suffix.num_speculative_tokens == 8  # vLLM: k defaults to the tree depth
+    draft = SpeculativeConfig.of('{"model": "draft", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "draft", 3)  # vLLM: a model alone
 
 
 @pytest.mark.parametrize("options, words", [
@@ -23,6 +25,10 @@ def test_json_and_dict_forms_take_vllms_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "['draft_model'] are not supported"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2.0}, "suffix_decoding_min_token_prob=2.0 must be in [0, 1]"),
     ("{not json", "is not JSON"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' takes the draft's checkpoint directory"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "d"}, "method='ngram' with model='d'"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size=2 is not supported: the draft model runs on one device"),
 ])
 def test_bad_values_name_the_field_value_and_limit(options, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):

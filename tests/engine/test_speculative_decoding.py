@@ -4,7 +4,8 @@ chunked prefill, preemption and an abort in the mix, and stops inside a verified
 decoding one token at a time stops.
 
 One engine with speculation (k=4 compiled; the k=2 cases draft at most 2 of its 4 slots) serves
-every case: its proposer is swapped per case, which is host state only.
+every case: its proposer is swapped per case, which is host state only (a draft model's own pool
+and programs come with it).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import COMPILES, ENGINE_OPTIONS, random_prompts
+from helpers_hf import hf_logits, make_tiny_hf_model
 from tiny_llm import llm, tiny  # noqa: F401
 
 from cbjax import LLM, SamplingParams
+from cbjax.config import EngineConfig
 from cbjax.core.request import Request
 from cbjax.core.spec.config import SpeculativeConfig
+from cbjax.worker.spec.draft_model import DraftModelProposer
 from cbjax.worker.spec.drafter import Drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,9 +42,12 @@ def repeating_prompts() -> list[list[int]]:
 def spec_llm(tiny) -> LLM:  # noqa: F811
     # 19 usable blocks of 8 tokens for 5 requests of up to 85 tokens: they preempt each other. Steps of
     # 16 tokens: two compiled steps (decode, mixed), every prompt chunked.
+    # Started as a user would with a draft model, the target as its own draft (build_worker loads and
+    # compiles it); the other cases swap their proposer in, use_draft_model puts it back.
     options = {**ENGINE_OPTIONS, "num_kv_blocks": 20, "max_num_batched_tokens": 16}
-    return LLM(str(tiny[1]), **options, speculative_config={
-        "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    llm = LLM(str(tiny[1]), **options, speculative_config={"model": str(tiny[1]), "num_speculative_tokens": K})
+    llm.self_draft = llm.llm_engine.core.speculation.drafter
+    return llm
 
 
 def use_drafter(llm: LLM, method: str, k: int) -> None:
@@ -219,3 +226,88 @@ def test_a_front_end_in_another_process_cuts_a_run_at_its_stop_string(tiny):  # 
     (output,) = frontend.outputs(frontend.apply(progress))
     assert output.finished and output.outputs[0].token_ids == [first, second] and stops == ["x"]
     assert output.outputs[0].stop_reason == texts[second] and output.outputs[0].text == texts[first]
+
+
+# ---- method "draft_model": the same engine, a draft model as its proposer ----------------------------
+
+
+def use_draft_model(llm: LLM, model_dir: Path | None) -> DraftModelProposer:
+    """The engine's proposer replaced by a draft model, built and compiled as build_worker does (None:
+    the one the engine was started with)."""
+    core = llm.llm_engine.core
+    if model_dir is None:
+        core.speculation.drafter = llm.self_draft
+        return llm.self_draft
+    spec = SpeculativeConfig.of({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K})
+    drafter = DraftModelProposer(spec, core.config, core.model_config.vocab_size, dtype="float32",
+                                 activation_dtype="float32")
+    drafter.precompile(progress=False)
+    core.speculation.drafter = drafter
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def layer_skip_draft(tiny, tmp_path_factory) -> tuple[Path, Path]:  # noqa: F811
+    """(hf_dir, checkpoint) of a smaller draft with the target's vocabulary: the tiny target without its
+    last layer (it agrees with the target on some tokens, not all)."""
+    import transformers
+    from cbjax.checkpoint.convert import convert_checkpoint
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny[0])
+    del model.model.layers[1:]
+    model.config.num_hidden_layers = 1
+    root = tmp_path_factory.mktemp("layer-skip-draft")
+    model.save_pretrained(root / "hf")
+    return root / "hf", convert_checkpoint(root / "hf", root / "ckpt", None)
+
+
+def draft_model_counters(llm: LLM) -> tuple[int, int, int]:
+    stats = llm.get_stats()
+    return stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"], stats["num_preemptions"]
+
+
+@pytest.mark.parametrize("draft", ["target", "layer_skip"])
+def test_draft_model_greedy_equals_without_and_frees_every_draft_block(llm, spec_llm, tiny, layer_skip_draft, draft):  # noqa: F811
+    """Chunked prefill, preemption and an abort in the mix; the target as its own draft has every
+    draft accepted, the smaller draft some, each its greedy continuation by transformers (its draft KV
+    rolled back where the target rejected); nothing compiles while serving; no draft block stays held."""
+    prompts, params = repeating_prompts(), greedy_params()
+    want = run(llm, prompts, params)
+    drafter = use_draft_model(spec_llm, None if draft == "target" else layer_skip_draft[1])
+    proposals = []  # (the request's tokens, its drafts)
+    propose = drafter.draft
+    drafter.draft = lambda requests: [proposals.append((list(r.all_token_ids), d)) or d
+                                      for r, d in zip(requests, propose(requests))]
+    drafted, accepted, preemptions = draft_model_counters(spec_llm)
+    COMPILES.armed = True
+    try:
+        got = run(spec_llm, prompts, params, abort="2")
+    finally:
+        COMPILES.armed = False
+    for request_id in ("0", "1", "3", "4"):
+        assert got[request_id].outputs[0].token_ids == want[request_id].outputs[0].token_ids, request_id
+    aborted = got["2"].outputs[0]
+    assert aborted.finish_reason == "abort" and want["2"].outputs[0].token_ids[: len(aborted.token_ids)] == aborted.token_ids
+    now_drafted, now_accepted, now_preemptions = draft_model_counters(spec_llm)
+    drafted, accepted = now_drafted - drafted, now_accepted - accepted
+    assert COMPILES.count == 0 and now_preemptions > preemptions
+    assert accepted == drafted > 0 if draft == "target" else 0 < accepted < drafted
+    assert drafter.num_held_blocks == 0 and not drafter.sequences
+    if draft == "layer_skip":
+        for tokens, drafts in proposals[::10]:  # greedy: each draft the argmax after the tokens and drafts before it
+            assert hf_logits(layer_skip_draft[0], tokens + drafts[:-1])[len(tokens) - 1 :].argmax(-1).tolist() == drafts
+    stats = spec_llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_draft_model_with_another_vocabulary_a_missing_directory_or_tensor_parallel_is_refused(tiny, tmp_path):  # noqa: F811
+    draft = make_tiny_hf_model(tmp_path, "llama", vocab_size=256)
+    with pytest.raises(ValueError, match="has vocab_size 256; the target model has 320"):
+        LLM(str(tiny[1]), **ENGINE_OPTIONS, speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"model='.*missing' is not a model directory \(no config.json\)"):
+        LLM(str(tiny[1]), **ENGINE_OPTIONS, speculative_config={"method": "draft_model", "model": str(tmp_path / "missing"),
+                                                                "num_speculative_tokens": 2})
+    config = EngineConfig(model=str(tiny[1]), tensor_parallel_size=2, speculative_config={"model": str(tiny[1]),
+                                                                                          "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'draft_model' is not supported with tensor_parallel_size=2, num_processes=1"):
+        DraftModelProposer(config.speculative_config, config, 320, dtype="float32", activation_dtype="float32")

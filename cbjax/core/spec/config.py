@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # Speculation is off on a step whose running batch exceeds this (vLLM's disable_by_batch_size). On this
 # CPU with SmolLM2 a decode step's time grows nearly with its rows beyond 4, so verifying 1 + k tokens
 # a row there costs more than the accepted drafts save (benchmarks/spec_decode.py).
@@ -24,10 +25,18 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # draft_model: the draft's checkpoint directory (same vocabulary as the target)
+    draft_tensor_parallel_size: int = 1  # draft_model: the draft runs on one device
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not one of {METHODS}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"speculative_config method={self.method!r} with model={self.model!r}: method "
+                             "'draft_model' takes the draft's checkpoint directory as model, the others take no model")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={self.draft_tensor_parallel_size!r} is not "
+                             "supported: the draft model runs on one device; leave it out or set 1")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "suffix_decoding_max_tree_depth", "disable_by_batch_size"):
             value = getattr(self, name)
@@ -68,6 +77,10 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config keys {unknown} are not supported; it takes {sorted(fields)}")
         options = dict(value)
+        if isinstance(options.get("model"), os.PathLike):
+            options["model"] = os.fspath(options["model"])
+        if "method" not in options and options.get("model") is not None:  # vLLM: a model alone means a draft model
+            options["method"] = "draft_model"
         if "method" not in options:
             raise ValueError(f"speculative_config needs a method, one of {METHODS}")
         low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")

@@ -24,7 +24,9 @@ class Drafter(Protocol):
 
     k: int
 
-    def draft(self, request: Request) -> list[int]: ...
+    def draft(self, requests: list[Request]) -> list[list[int]]:
+        """Up to k drafts to follow each request's tokens, together (a draft model runs them as one batch)."""
+        ...
 
     def finish(self, request: Request) -> None: ...
 
@@ -56,10 +58,11 @@ class Speculation:
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Draft for each running request whose tokens are all on the host and that may speculate."""
-        draft = self.drafter.draft
-        for request in requests:
-            if request.status is _RUNNING and not request.num_output_placeholders and may_speculate(request):
-                request.spec_token_ids = draft(request)
+        speculating = [request for request in requests
+                       if request.status is _RUNNING and not request.num_output_placeholders and may_speculate(request)]
+        if speculating:
+            for request, drafts in zip(speculating, self.drafter.draft(speculating)):
+                request.spec_token_ids = drafts
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_draft` drafts accepted."""

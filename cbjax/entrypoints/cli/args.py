@@ -96,7 +96,8 @@ def add_engine_args(
     parser.add_argument(
         "--speculative-config", default=None,
         help='speculative decoding, as JSON (vLLM\'s form): \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4}\' or method "suffix"; default: off',
+             '"prompt_lookup_max": 4}\', method "suffix", or \'{"method": "draft_model", "model": DRAFT_DIR, '
+             '"num_speculative_tokens": 4}\'; default: off',
     )
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters beside the base model (requests name them; see --lora-modules)")

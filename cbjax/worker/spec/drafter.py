@@ -26,8 +26,11 @@ class Drafter:
                                          config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
         self._num_fed: dict[str, int] = {}  # suffix: the tokens of each request its trie holds
 
-    def draft(self, request: Request) -> list[int]:
-        """Up to k tokens to follow request.all_token_ids (empty: none recur)."""
+    def draft(self, requests: list[Request]) -> list[list[int]]:
+        """Up to k tokens to follow each request's all_token_ids (empty: none recur)."""
+        return [self._draft(request) for request in requests]
+
+    def _draft(self, request: Request) -> list[int]:
         if self.suffix is None:
             return self.ngram.propose(np.asarray(request.all_token_ids, np.int32)).tolist()
         self._feed(request)
