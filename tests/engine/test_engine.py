@@ -127,6 +127,10 @@ def test_fp8_kv_cache_holds_twice_the_tokens_of_float16_in_the_same_bytes(tiny, 
     outs = fp8.generate(token_prompts(prompts[:3]), GREEDY, use_tqdm=False)
     # e4m3 keeps 3 mantissa bits: a random tiny model's near-ties may flip after its first tokens.
     assert [o.outputs[0].token_ids[:2] for o in outs] == [w[:2] for w in want[:3]]
+    # The 9-token prompt's first block comes back from the prefix cache as the fp8 bytes written for it.
+    (again,) = fp8.generate(token_prompts(prompts[3:4]), GREEDY, use_tqdm=False)
+    (cached,) = fp8.generate(token_prompts(prompts[3:4]), GREEDY, use_tqdm=False)
+    assert cached.num_cached_tokens == 8 and cached.outputs[0].token_ids == again.outputs[0].token_ids
 
 
 def test_interpreted_pallas_kernels_match_transformers(tiny, expected):
