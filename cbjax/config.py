@@ -12,6 +12,9 @@ from cbjax.core.structured.reasoning import check_reasoning_parser
 from cbjax.core.spec.config import SpeculativeConfig
 from cbjax.quantization import check_quantization
 
+# The KV pool dtypes (vLLM's names); "fp8" and "fp8_e4m3" are both float8 e4m3fn (worker/model_runner.kv_cache_dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -20,7 +23,9 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
-    kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "float16" halves the pool's bytes
+    # The KV pool's dtype: "auto" (the activation dtype), "float32", "bfloat16", "float16" (halves float32's bytes), or
+    # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages at scale 1.0, half float16's bytes (docs/caching.md, "fp8 KV cache").
+    kv_cache_dtype: str = "auto"
     # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) for every
     # decoder projection; embeddings and the LM head stay float, and so do the checkpoint and its weights cache.
     # On a CPU with cpu_packed_weights the int8 weights are packed for the C++ int8 matmul. None: off.
@@ -110,10 +115,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of 'auto', 'float32', 'bfloat16', 'float16'"
-            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
         check_scheduling_policy(self.scheduling_policy)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.of(self.speculative_config)

@@ -10,13 +10,16 @@ from jaxtyping import Array, Float
 from kernels_cpu.registry import POOL_SUFFIXES, target
 from kernels_pallas.reference import AttentionMetadata
 
+# The kernel reads and writes pool elements as they are (fp8 ones widened or saturated); a pool's scales are
+# applied here: q * k_scale . k = q . (k * k_scale), and P . (v * v_scale) = (P . v) * v_scale.
+
 
 def _target_suffix(k_pages: Array, v_pages: Array) -> str:
     """The attention targets' suffix for these pools' dtype, once the pools are checked."""
     if k_pages.dtype not in POOL_SUFFIXES or v_pages.dtype != k_pages.dtype:
         raise ValueError(
-            f"the CPU attention kernel takes float32, float16 or bfloat16 pools, got K {k_pages.dtype} and "
-            f"V {v_pages.dtype}; use kv_cache_dtype='float32' or 'float16', or attention_backend='xla'"
+            f"the CPU attention kernel takes float32, float16, bfloat16 or float8_e4m3fn pools, got K {k_pages.dtype} "
+            f"and V {v_pages.dtype}; use kv_cache_dtype='float32', 'float16' or 'fp8', or attention_backend='xla'"
         )
     return POOL_SUFFIXES[k_pages.dtype]
 
@@ -45,12 +48,15 @@ def write_kv_and_attend_cpu(
     metadata: AttentionMetadata,
     sm_scale: float,
     sliding_window: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[Float[Array, "tokens q_heads dim"], Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]]:
     """`write_kv` then `ragged_paged_attention_reference`, in one C++ call (CPU only).
 
     The pools go in and come out aliased, so under a donating jit the write is in place. Decode
     steps are the case of one token per request; there is no separate decode entry.
-    `sliding_window` is the reference's (a query at position p sees keys p - W + 1..p).
+    `sliding_window` and the pools' scales are the reference's (a query at position p sees keys p - W + 1..p).
     """
     suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(
@@ -60,16 +66,16 @@ def write_kv_and_attend_cpu(
     )
     out, k_pages, v_pages = call(
         q.astype(jnp.float32),
-        k.astype(jnp.float32),
-        v.astype(jnp.float32),
+        k.astype(jnp.float32) / k_scale,
+        v.astype(jnp.float32) / v_scale,
         metadata.slot_mapping.astype(jnp.int32),
         k_pages,
         v_pages,
         *_request_metadata(metadata),
-        sm_scale=np.float32(sm_scale),
+        sm_scale=np.float32(sm_scale * k_scale),
         sliding_window=_window_attribute(sliding_window),
     )
-    return out.astype(q.dtype), k_pages, v_pages
+    return (out * v_scale).astype(q.dtype), k_pages, v_pages
 
 
 def ragged_paged_attention_cpu(
@@ -79,13 +85,16 @@ def ragged_paged_attention_cpu(
     metadata: AttentionMetadata,
     sm_scale: float,
     sliding_window: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads dim"]:
-    """`ragged_paged_attention_reference`'s result (`sliding_window` included) from the C++ kernel; the pools are
-    only read."""
+    """`ragged_paged_attention_reference`'s result (`sliding_window` and the pools' scales included) from the C++
+    kernel; the pools are only read."""
     suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(target("CbjaxPagedAttention" + suffix), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
-        q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale),
+        q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale * k_scale),
         sliding_window=_window_attribute(sliding_window),
     )
-    return out.astype(q.dtype)
+    return (out * v_scale).astype(q.dtype)

@@ -4,7 +4,7 @@
 //   q            f32 [tokens, q_heads, dim]       the step's new tokens, requests back to back
 //   k/v_new      f32 [new, kv_heads, dim]         K/V to write first (kernels_pallas write_kv's)
 //   slots        s32 [new]                        their pool slots (block * block_size + offset)
-//   k/v_pages    T   [kv_heads, blocks, block_size, dim]   T = f32, f16 or bf16; in and out
+//   k/v_pages    T   [kv_heads, blocks, block_size, dim]   T = f32, f16, bf16 or f8e4m3fn; in and out
 //   query_start  s32 [reqs + 1]                   cumulative q lengths
 //   seq_lens     s32 [reqs]                       KV length after the step (cached + new)
 //   block_tables s32 [reqs, max_blocks]
@@ -15,6 +15,9 @@
 // are never loaded, so a windowed layer's work stops growing with the context. Unlike the
 // fixed-shape jnp path this loop visits only real tokens and real keys, so padding rows and unused
 // pages (NaN in the tests) are never read.
+//
+// An f8e4m3fn pool holds K/V divided by their scales; the caller (attention.py) divides the new K/V
+// and folds the scales into sm_scale and the output, so here e4m3 is only widened and saturated.
 //
 // The same call first writes the step's new K/V into the pool (in place: the pools are aliased
 // from input to output), which saves XLA two scatters per layer.
@@ -47,6 +50,7 @@ constexpr int kChunk = 64;     // keys per online-softmax chunk
 
 struct F16Tag {};
 struct BF16Tag {};
+struct F8E4M3Tag {};
 
 inline float half_to_float(uint16_t h) {
   // IEEE half -> float, subnormals, inf and NaN included (no F16C needed).
@@ -132,6 +136,50 @@ inline void store_row(const float* src, uint16_t* dst, int dim, BF16Tag) {
   }
 }
 
+// e4m3fn (OCP): bias 7, no infinities, S.1111.111 is NaN; subnormals are m * 2^-9.
+inline float e4m3_to_float(uint8_t code) {
+  const int exp = (code >> 3) & 0xf, man = code & 0x7;
+  const float magnitude = exp == 0xf && man == 0x7 ? NAN
+                          : exp == 0               ? std::ldexp((float)man, -9)
+                                                   : std::ldexp((float)(8 + man), exp - 10);
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
+// Every code's value, so a row widens by table lookups.
+struct E4M3Table {
+  float value[256];
+  E4M3Table() {
+    for (int code = 0; code < 256; ++code) value[code] = e4m3_to_float((uint8_t)code);
+  }
+};
+
+inline void load_row(const uint8_t* src, float* dst, int dim, F8E4M3Tag) {
+  static const E4M3Table table;
+  for (int d = 0; d < dim; ++d) dst[d] = table.value[src[d]];
+}
+
+// Round to nearest even like XLA's convert, saturating at +-448 like kernels_pallas' to_pool (an overflow
+// would otherwise be NaN: e4m3fn has no infinity); NaN stays NaN.
+inline uint8_t float_to_e4m3(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint8_t sign = (uint8_t)((x >> 24) & 0x80);
+  const uint32_t abs = x & 0x7fffffff;
+  if (abs > 0x7f800000) return sign | 0x7f;
+  if (abs >= 0x43e00000) return sign | 0x7e;  // >= 448 (infinity included): the largest finite
+  if (abs < 0x3c800000) {                     // below 2^-6: a subnormal m * 2^-9 (m = 8 is 2^-6, code 8)
+    float magnitude;
+    std::memcpy(&magnitude, &abs, 4);
+    return sign | (uint8_t)std::nearbyint(magnitude * 512.0f);
+  }
+  const uint32_t rounded = abs + 0x7ffff + ((abs >> 20) & 1);  // keep 3 mantissa bits, ties to even
+  return sign | (uint8_t)((rounded >> 20) - (120u << 3));        // rebias the exponent 127 -> 7
+}
+
+inline void store_row(const float* src, uint8_t* dst, int dim, F8E4M3Tag) {
+  for (int d = 0; d < dim; ++d) dst[d] = float_to_e4m3(src[d]);
+}
+
 template <typename Tag>
 struct Pool;
 template <>
@@ -151,6 +199,12 @@ struct Pool<BF16Tag> {
   using T = uint16_t;
   static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, BF16Tag{}); }
   static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim, BF16Tag{}); }
+};
+template <>
+struct Pool<F8E4M3Tag> {
+  using T = uint8_t;
+  static void load(const T* src, float* dst, int dim) { load_row(src, dst, dim, F8E4M3Tag{}); }
+  static void store(const float* src, T* dst, int dim) { store_row(src, dst, dim, F8E4M3Tag{}); }
 };
 
 // exp(x) for x <= 0 (scores minus their running max) as 2^n * e^r, n = round(x / ln 2),
@@ -631,3 +685,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionBF16, attention_impl<BF16Tag>, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionF32, write_attention_impl<float>, CBJAX_WRITE_ATTENTION_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionF16, write_attention_impl<F16Tag>, CBJAX_WRITE_ATTENTION_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionBF16, write_attention_impl<BF16Tag>, CBJAX_WRITE_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF8E4M3, attention_impl<F8E4M3Tag>, CBJAX_ATTENTION_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKvAttentionF8E4M3, write_attention_impl<F8E4M3Tag>, CBJAX_WRITE_ATTENTION_BIND);

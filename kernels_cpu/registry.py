@@ -22,7 +22,10 @@ import jax.numpy as jnp
 from kernels_cpu.build import build, compiler, library_path
 
 # The attention targets, one per pool dtype (attention only; KV write + attention).
-POOL_SUFFIXES = {jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.float16): "F16", jnp.dtype(jnp.bfloat16): "BF16"}
+POOL_SUFFIXES = {
+    jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.float16): "F16", jnp.dtype(jnp.bfloat16): "BF16",
+    jnp.dtype(jnp.float8_e4m3fn): "F8E4M3",
+}
 ATTENTION_KERNELS = ("CbjaxPagedAttention", "CbjaxWriteKvAttention")
 # Every symbol the library exports as an XLA FFI handler.
 SYMBOLS = (

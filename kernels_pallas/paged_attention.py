@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.reference import paged_decode_attention_reference
+from kernels_pallas.reference import is_fp8, paged_decode_attention_reference
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference", "check_kernel_shapes"]
 
@@ -121,6 +121,8 @@ def online_softmax_step(carry, q, k, v, visible, sm_scale: float):
     -inf and the exponentials are taken against 0 instead, so it keeps l = 0 and acc = 0.
     """
     m, l, acc = carry
+    if is_fp8(k.dtype):  # every e4m3 value is exact in bf16, f16 and f32 (its scales are the wrapper's)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     # A pool dtype other than the activations' (an f16 pool under bf16 or f32 activations) meets q
     # here; Triton's dot takes one element type, so both go to the type that holds either exactly.
     common = jnp.promote_types(q.dtype, k.dtype)
@@ -193,7 +195,8 @@ def combine_splits(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "pages_per_tile", "num_splits", "num_warps", "num_stages", "interpret", "sliding_window"
+        "sm_scale", "pages_per_tile", "num_splits", "num_warps", "num_stages", "interpret", "sliding_window",
+        "k_scale", "v_scale",
     ),
 )
 def paged_decode_attention(
@@ -210,6 +213,8 @@ def paged_decode_attention(
     num_stages: int = 2,
     interpret: bool = False,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "reqs q_heads dim"]:
     """Decode attention; equals `paged_decode_attention_reference`.
 
@@ -217,6 +222,8 @@ def paged_decode_attention(
     num_splits: KV partitions per request, combined in XLA (default: enough to fill the GPU).
     sliding_window: each query sees only its last `sliding_window` keys; the splits then cover the
     pages that window can touch, so the work per request stops growing with its length.
+    k_scale, v_scale: the pool's (reference.py); the kernel reads unscaled elements, so k_scale joins sm_scale
+    and v_scale multiplies the output.
     """
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -251,7 +258,7 @@ def paged_decode_attention(
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _decode_kernel, sm_scale=sm_scale, pages_per_tile=pages_per_tile, pages_per_split=pages_per_split,
+        _decode_kernel, sm_scale=sm_scale * k_scale, pages_per_tile=pages_per_tile, pages_per_split=pages_per_split,
         sliding_window=sliding_window,
     )
     o, lse = pl.pallas_call(
@@ -278,5 +285,6 @@ def paged_decode_attention(
     )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q_grouped, k_pages, v_pages)
 
     out = o[0] if num_splits == 1 else combine_splits(o, lse)
-    return out[:, :, :group].reshape(num_reqs, num_q_heads, head_dim).astype(q.dtype)
+    out = out[:, :, :group].reshape(num_reqs, num_q_heads, head_dim)
+    return (out.astype(jnp.float32) * v_scale if v_scale != 1.0 else out).astype(q.dtype)
 

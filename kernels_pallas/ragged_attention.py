@@ -110,7 +110,10 @@ def _ragged_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_q", "pages_per_tile", "num_warps", "num_stages", "interpret", "sliding_window"),
+    static_argnames=(
+        "sm_scale", "block_q", "pages_per_tile", "num_warps", "num_stages", "interpret", "sliding_window", "k_scale",
+        "v_scale",
+    ),
 )
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads dim"],
@@ -125,6 +128,8 @@ def ragged_paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch over the paged pool; equals `ragged_paged_attention_reference`.
 
@@ -132,6 +137,7 @@ def ragged_paged_attention(
     pages_per_tile: pages per online-softmax step (default: 64 tokens' worth, at least 16).
     sliding_window: each token sees only its last `sliding_window` keys; a query tile's walk starts
     at the page holding its first row's first key, so it is bounded by block_q + the window.
+    k_scale, v_scale: the pool's (reference.py), applied as in `paged_decode_attention`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -166,7 +172,7 @@ def ragged_paged_attention(
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _ragged_kernel, sm_scale=sm_scale, block_q=block_q, pages_per_tile=pages_per_tile, sliding_window=sliding_window
+        _ragged_kernel, sm_scale=sm_scale * k_scale, block_q=block_q, pages_per_tile=pages_per_tile, sliding_window=sliding_window
     )
     out = pl.pallas_call(
         kernel,
@@ -189,4 +195,5 @@ def ragged_paged_attention(
         v_pages,
         zeros,
     )
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+    out = out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+    return (out.astype(jnp.float32) * v_scale).astype(q.dtype) if v_scale != 1.0 else out

@@ -23,6 +23,12 @@ before it). Padded request rows have q_len 0 and seq_len 0; tokens at index
 
 The new K/V of a step are written into the pool (`write_kv`) before attention
 reads it, so the kernels only ever read the pool.
+
+fp8 pools (float8_e4m3fn, vLLM's kv_cache_dtype="fp8"): a page element e stands
+for e * k_scale (K) or e * v_scale (V), one float per pool (vLLM's per-layer
+k_scale/v_scale; 1.0 unless given). Writes divide by the scale and saturate at
++-448 (e4m3fn has no infinity, so an overflow would become NaN); every read
+widens to float and multiplies by the scale. Float pools take scale 1.0.
 """
 
 from __future__ import annotations
@@ -53,18 +59,42 @@ class AttentionMetadata:
         )
 
 
+def is_fp8(dtype) -> bool:
+    """An 8-bit float pool: its elements are scaled, saturated on write, widened on read."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
+def to_pool(x: Float[Array, "..."], dtype, scale: float = 1.0) -> Array:
+    """K or V as a pool of `dtype` stores them: divided by the pool's scale, and saturated for fp8."""
+    if scale != 1.0:
+        x = x.astype(jnp.float32) / scale
+    if is_fp8(dtype):
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)  # NaN stays NaN; 500 becomes 448, not NaN
+    return x.astype(dtype)
+
+
+def from_pool(pages: Array, scale: float = 1.0) -> Float[Array, "..."]:
+    """Pool elements as the float32 K or V they stand for."""
+    pages = pages.astype(jnp.float32)
+    return pages * scale if scale != 1.0 else pages
+
+
 def write_kv(
     k_pages: Float[Array, "kv_heads blocks block_size dim"],
     v_pages: Float[Array, "kv_heads blocks block_size dim"],
     k: Float[Array, "tokens kv_heads dim"],
     v: Float[Array, "tokens kv_heads dim"],
     slot_mapping: Int[Array, "tokens"],
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[Float[Array, "kv_heads blocks block_size dim"], Float[Array, "kv_heads blocks block_size dim"]]:
-    """Scatter the new K/V of a step into their slots; every other slot is untouched."""
+    """Scatter the new K/V of a step into their slots (`to_pool`); every other slot is untouched."""
     block_size = k_pages.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_pages = k_pages.at[:, blocks, offsets].set(k.swapaxes(0, 1).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, blocks, offsets].set(v.swapaxes(0, 1).astype(v_pages.dtype))
+    k_pages = k_pages.at[:, blocks, offsets].set(to_pool(k.swapaxes(0, 1), k_pages.dtype, k_scale))
+    v_pages = v_pages.at[:, blocks, offsets].set(to_pool(v.swapaxes(0, 1), v_pages.dtype, v_scale))
     return k_pages, v_pages
 
 
@@ -130,6 +160,8 @@ def ragged_paged_attention_reference(
     tile_tokens: int | None = None,
     max_prefill_reqs: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads dim"]:
     """Causal attention of a ragged batch of new tokens over the paged pool.
 
@@ -196,8 +228,8 @@ def ragged_paged_attention_reference(
             # Past the table's end every key is past the row's position (masked below), so clamping is safe.
             pages = jnp.take_along_axis(block_table, jnp.minimum(page_idx, last_table_page), axis=1)  # [W, P]
             kv_pos = kv_tile[:, None] * tile + jnp.arange(tile)  # [W, tile]
-        k = k_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim).astype(jnp.float32)
+        k = from_pool(k_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim), k_scale)
+        v = from_pool(v_pages[:, pages].reshape(num_kv_heads, num_tiles_q, tile, head_dim), v_scale)
         # Scores of keys past a row's position are masked below, so NaN garbage in K never
         # leaks; V's garbage would (0 * NaN), so V past each request's length is zeroed.
         in_seq = kv_pos < seq_len[:, None]  # [W, tile]
@@ -243,6 +275,8 @@ def paged_decode_attention_reference(
     sm_scale: float,
     *,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "reqs q_heads dim"]:
     """Decode: one new token per request, attending to all seq_lens[r] cached tokens.
 
@@ -256,7 +290,9 @@ def paged_decode_attention_reference(
         seq_lens=seq_lens,
         block_tables=block_tables,
     )
-    return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, sm_scale, sliding_window=sliding_window)
+    return ragged_paged_attention_reference(
+        q, k_pages, v_pages, metadata, sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def mixed_paged_attention_reference(
@@ -269,6 +305,8 @@ def mixed_paged_attention_reference(
     block_q: int,
     max_prefill_reqs: int,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Float[Array, "tokens q_heads dim"]:
     """The ragged reference for a step where at most `max_prefill_reqs` requests have 2+ tokens.
 
@@ -285,11 +323,11 @@ def mixed_paged_attention_reference(
     one_token = q_lens == 1
     decoded = paged_decode_attention_reference(
         q[last_token], k_pages, v_pages, jnp.where(one_token, metadata.seq_lens, 0), metadata.block_tables, sm_scale,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
     )
     prefilled = ragged_paged_attention_reference(
         q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, max_prefill_reqs=max_prefill_reqs,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
     )
     req, is_real = token_request_ids(query_start_loc, num_tokens)
     return jnp.where((one_token[req] & is_real)[:, None, None], decoded[req], prefilled)

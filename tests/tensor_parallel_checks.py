@@ -160,10 +160,11 @@ def abstract_lowering(config: ModelConfig, tp: int, expert_parallel: bool = Fals
     return found
 
 
-def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: str | None = None) -> dict:
+def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: str | None = None,
+              pool_dtype=jnp.float32) -> dict:
     """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
-    pool) with its weights split over `tp` devices (a MoE model's experts placed whole on them with
-    expert_parallel; quantized as `quantization` says), and every weight's shape, dtype and shard shapes.
+    pool of `pool_dtype`) with its weights split over `tp` devices (a MoE model's experts placed whole on
+    them with expert_parallel; quantized as `quantization` says), and every weight's shape, dtype and shard shapes.
     A forward pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the
     engine's TP path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
@@ -176,7 +177,7 @@ def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: 
     graphdef, state = nnx.split(model)
     block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
     n = len(prompt)
-    pool = tuple(jnp.full_like(pages, jnp.nan) for pages in init_kv_pool(config, 8, block_size, jnp.float32))
+    pool = tuple(jnp.full_like(pages, jnp.nan) for pages in init_kv_pool(config, 8, block_size, pool_dtype))
     if tensor_parallel is not None:
         pool = jax.device_put(pool, tensor_parallel.pool_sharding)
     metadata = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
@@ -279,6 +280,7 @@ def main() -> None:
         "expert_parallel_logits": {family: {ep: tp_logits(dirs[1], ep, expert_parallel=True) for ep in (2, 4)}
                                    for family, dirs in moe.items()},
         "int8_logits": {tp: tp_logits(llama[1], tp, quantization="int8") for tp in (1, 2)},
+        "fp8_kv_logits": {tp: tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn)["logits"] for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(tp1),
         "tp1_constrained": constrained_outputs(tp1),

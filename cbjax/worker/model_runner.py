@@ -122,9 +122,15 @@ class LaunchedStep:
     wants_logprobs: bool = True  # False: no row asked for its sampled token's logprobs
 
 
+# vLLM's fp8 names: e4m3 without infinities (OCP's "fn"), whose 448 bounds every saturated write.
+FP8_KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
 def kv_cache_dtype(requested: str, model: nnx.Module) -> jnp.dtype:
     """The pool's dtype: the model's activation dtype, unless the user asked for another."""
-    return model.activation_dtype if requested == "auto" else jnp.dtype(requested)
+    if requested == "auto":
+        return model.activation_dtype
+    return jnp.dtype(FP8_KV_CACHE_DTYPES.get(requested, requested))
 
 
 def matmul_precision(activation_dtype: Any, platform: str) -> str | None:

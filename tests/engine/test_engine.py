@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -93,13 +94,43 @@ def test_whole_prompt_prefill_without_chunking(tiny, expected):
     assert buckets_used[0].num_tokens == 96
 
 
-def test_float16_kv_cache_serves_with_half_the_pool_bytes(tiny, expected):
+# One pool budget for the float16 and fp8 engines: the blocks each gets from it are the engine's own sizing.
+KV_CACHE_MEMORY_BYTES = 1 << 20
+
+
+def pool_bytes(llm) -> int:
+    return sum(pages.nbytes for pages in llm.llm_engine.runner.kv_pool)
+
+
+@pytest.fixture(scope="module")
+def float16_kv(tiny):
+    return LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(
+        kv_cache_dtype="float16", num_kv_blocks=None, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES)))
+
+
+def test_float16_kv_cache_serves_with_half_the_pool_bytes(float16_kv, expected):
     prompts, want = expected
-    half = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(kv_cache_dtype="float16")))
-    assert all(pages.dtype == np.float16 for pages in half.llm_engine.runner.kv_pool)
-    outs = half.generate(token_prompts(prompts[:3]), GREEDY, use_tqdm=False)
+    assert all(pages.dtype == np.float16 for pages in float16_kv.llm_engine.runner.kv_pool)
+    outs = float16_kv.generate(token_prompts(prompts[:3]), GREEDY, use_tqdm=False)
     # Rounding K/V to float16 may flip a near-tie late in a random tiny model, not the first tokens.
     assert [o.outputs[0].token_ids[:3] for o in outs] == [w[:3] for w in want[:3]]
+
+
+def test_fp8_kv_cache_holds_twice_the_tokens_of_float16_in_the_same_bytes(tiny, float16_kv, expected):
+    prompts, want = expected
+    fp8 = LLM(str(tiny[1]), **(ENGINE_OPTIONS | dict(
+        kv_cache_dtype="fp8", num_kv_blocks=None, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES)))
+    assert all(pages.dtype == jnp.float8_e4m3fn for pages in fp8.llm_engine.runner.kv_pool)
+    fp8_blocks, float16_blocks = fp8.llm_engine.runner.num_blocks, float16_kv.llm_engine.runner.num_blocks
+    assert fp8_blocks // 2 == float16_blocks, f"{fp8_blocks} fp8 blocks against {float16_blocks} float16 ones"
+    assert pool_bytes(float16_kv) <= pool_bytes(fp8) <= KV_CACHE_MEMORY_BYTES
+    outs = fp8.generate(token_prompts(prompts[:3]), GREEDY, use_tqdm=False)
+    # e4m3 keeps 3 mantissa bits: a random tiny model's near-ties may flip after its first tokens.
+    assert [o.outputs[0].token_ids[:2] for o in outs] == [w[:2] for w in want[:3]]
+    # The 9-token prompt's first block comes back from the prefix cache as the fp8 bytes written for it.
+    (again,) = fp8.generate(token_prompts(prompts[3:4]), GREEDY, use_tqdm=False)
+    (cached,) = fp8.generate(token_prompts(prompts[3:4]), GREEDY, use_tqdm=False)
+    assert cached.num_cached_tokens == 8 and cached.outputs[0].token_ids == again.outputs[0].token_ids
 
 
 def test_interpreted_pallas_kernels_match_transformers(tiny, expected):

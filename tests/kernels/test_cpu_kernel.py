@@ -33,14 +33,16 @@ CASES = [
     Case(32, 128, 4, "bfloat16"),
     Case(16, 20, 8, "float16", num_kv_heads=1),  # head_dim not a multiple of 8: the scalar tail
     Case(8, 64, 2, "float32", num_kv_heads=4),
+    Case(16, 64, 3, "float32", num_kv_heads=3, kv_dtype="float8_e4m3fn", k_scale=0.05, v_scale=4.0),  # fp8 pool
 ]
 
 
-def jit_reference(q, k_pages, v_pages, metadata, block_q: int, sliding_window: int | None = None):
+def jit_reference(q, k_pages, v_pages, metadata, block_q: int, sliding_window: int | None = None, **scales):
     """The jnp reference compiled whole: op by op, each new batch shape cost seconds of small compiles."""
     return jax.jit(
         functools.partial(
-            ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q, sliding_window=sliding_window
+            ragged_paged_attention_reference, sm_scale=SM_SCALE, block_q=block_q, sliding_window=sliding_window,
+            **scales,
         )
     )(q, k_pages, v_pages, metadata)
 
@@ -53,9 +55,11 @@ def run_both(
     k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
     q = random_q(rng, case, num_tokens).astype(jnp.float32)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
-    kernel = functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE, sliding_window=sliding_window)
+    kernel = functools.partial(
+        ragged_paged_attention_cpu, sm_scale=SM_SCALE, sliding_window=sliding_window, **case.scales
+    )
     out = jax.jit(kernel)(q, k_pages, v_pages, metadata)
-    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4, sliding_window=sliding_window)
+    ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4, sliding_window=sliding_window, **case.scales)
     return np.asarray(out), np.asarray(ref)
 
 
@@ -168,10 +172,15 @@ def test_random_batches_equal_reference(
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
-def test_fused_write_equals_write_kv_then_attention(dtype):
-    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's, and
-    attends (with a window: the attention reads what the same call wrote) like the reference."""
+@pytest.mark.parametrize(
+    "dtype, scales",
+    [(jnp.float32, {}), (jnp.float16, {}), (jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"k_scale": 0.5, "v_scale": 3.0})],
+    ids=["f32", "f16", "bf16", "fp8"],
+)
+def test_fused_write_equals_write_kv_then_attention(dtype, scales):
+    """The call that writes the step's K/V itself leaves the pool bit-identical to write_kv's (fp8: divided by
+    the scales, rounded to nearest even, saturated), and attends (with a window: the attention reads what the
+    same call wrote) like the reference."""
     case = Case(8, 24, 2, "float32")
     q_lens, seq_lens, num_tokens = mixed_batch(case.block_size)
     rng = np.random.default_rng(4)
@@ -193,15 +202,15 @@ def test_fused_write_equals_write_kv_then_attention(dtype):
     metadata = dataclasses.replace(ragged_metadata(q_lens, seq_lens, block_tables, num_tokens), slot_mapping=jnp.asarray(slots))
 
     window = 5
-    out, k_out, v_out = jax.jit(functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE, sliding_window=window))(
-        q, k, v, k_pages, v_pages, metadata
-    )
-    k_ref, v_ref = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
-    bits = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+    out, k_out, v_out = jax.jit(
+        functools.partial(write_kv_and_attend_cpu, sm_scale=SM_SCALE, sliding_window=window, **scales)
+    )(q, k, v, k_pages, v_pages, metadata)
+    k_ref, v_ref = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **scales)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
     for got, want in ((k_out, k_ref), (v_out, v_ref)):  # block 0 (the null block) holds garbage by contract
         np.testing.assert_array_equal(np.asarray(got)[:, 1:].view(bits), np.asarray(want)[:, 1:].view(bits))
-    if dtype == jnp.float32:  # the huge values overflow 16-bit pools, so compare attention in float32 only
-        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4, sliding_window=window)
+    if dtype in (jnp.float32, jnp.float8_e4m3fn):  # the huge values overflow 16-bit pools; fp8 saturates
+        ref = jit_reference(q, k_ref, v_ref, metadata, block_q=4, sliding_window=window, **scales)
         rows = np.arange(num_tokens) != 0  # token 0 (request 0) reads the NaN written into V
         np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(ref)[rows], rtol=2e-5, atol=2e-5)
 
@@ -313,3 +322,25 @@ def test_auto_backend_is_the_kernel_on_cpu():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert backend.resolve_backend.__wrapped__("auto") == "cpp"
+
+
+def test_fp8_write_rounds_and_saturates_every_value_like_xla():
+    """Every e4m3 value, every midpoint between neighbours (ties go to even) and a float32 step either side
+    of it, subnormals, overflow and NaN: the kernel's write stores the same bytes as XLA's convert in write_kv."""
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(jnp.float8_e4m3fn).astype(np.float32)
+    finite = np.sort(values[np.isfinite(values)])
+    midpoints = (finite[1:] + finite[:-1]) / 2
+    nudged = np.concatenate([np.nextafter(midpoints, np.inf), np.nextafter(midpoints, -np.inf)])
+    new = np.concatenate([values, midpoints, nudged, [448.5, 464.0, 1e6, -1e6, np.inf, -np.inf, 1e-30]])
+    dim = 16
+    new = np.pad(new, (0, -len(new) % dim)).astype(np.float32).reshape(-1, 1, dim)
+    num_tokens, block_size = new.shape[0], 8
+    pool = jnp.zeros((1, 1 + -(-num_tokens // block_size), block_size, dim), jnp.float8_e4m3fn)
+    slots = jnp.arange(block_size, block_size + num_tokens, dtype=jnp.int32)
+    metadata = ragged_metadata([1], [1], jnp.ones((1, 1), jnp.int32), 1)
+    metadata = dataclasses.replace(metadata, slot_mapping=slots)
+    q = jnp.zeros((num_tokens, 1, dim), jnp.float32)
+    _, k_out, _ = write_kv_and_attend_cpu(q, jnp.asarray(new), jnp.asarray(new), pool, pool, metadata, SM_SCALE)
+    k_ref, _ = write_kv(pool, pool, jnp.asarray(new), jnp.asarray(new), slots)
+    np.testing.assert_array_equal(np.asarray(k_out).view(np.uint8), np.asarray(k_ref).view(np.uint8))

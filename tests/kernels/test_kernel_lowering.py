@@ -89,6 +89,22 @@ def test_ragged_kernel_lowers_for_cuda(shape):
     assert "__gpu$xla.gpu.triton" in text
 
 
+def test_kernels_lower_for_cuda_over_an_fp8_pool():
+    """SmolLM2's shapes under bf16 activations, reading an e4m3 pool with its scales (kv_cache_dtype="fp8")."""
+    k_pages = pool(3, 64, 16, jnp.float8_e4m3fn)
+    scales = {"k_scale": 0.05, "v_scale": 4.0}
+    decode = lower_for_cuda(
+        lambda q, k, v, lens, tables: paged_decode_attention(q, k, v, lens, tables, 0.1, **scales),
+        SDS((16, 9, 64), jnp.bfloat16), k_pages, k_pages, SDS((16,), jnp.int32), SDS((16, 128), jnp.int32),
+    )
+    ragged = lower_for_cuda(
+        lambda q, k, v, md: ragged_paged_attention(q, k, v, md, 0.1, **scales),
+        SDS((256, 9, 64), jnp.bfloat16), k_pages, k_pages, metadata(256, 16, 128),
+    )
+    for text in (decode, ragged):
+        assert "__gpu$xla.gpu.triton" in text
+
+
 @pytest.mark.parametrize(
     "head_dim, block_size, tiles, message",
     [

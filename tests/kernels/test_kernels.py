@@ -42,11 +42,18 @@ class Case:
     num_kv_heads: int = 2
     tiles: dict = dataclasses.field(default_factory=dict)  # kernel tiling keywords
     kv_dtype: str | None = None  # the pool's, when it differs from q's (kv_cache_dtype)
+    k_scale: float = 1.0  # what a pool element stands for, times the element (fp8 pools)
+    v_scale: float = 1.0
 
     def __str__(self) -> str:
         tiles = "".join(f"-{k}{v}" for k, v in self.tiles.items())
         pool = f"-pool_{self.kv_dtype}" if self.kv_dtype else ""
-        return f"bs{self.block_size}-d{self.head_dim}-g{self.group}-{self.dtype}{pool}-kv{self.num_kv_heads}{tiles}"
+        scales = f"-scales{self.k_scale}_{self.v_scale}" if self.scales != SCALES_OF_FLOAT_POOLS else ""
+        return f"bs{self.block_size}-d{self.head_dim}-g{self.group}-{self.dtype}{pool}{scales}-kv{self.num_kv_heads}{tiles}"
+
+    @property
+    def scales(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     @property
     def tolerance(self) -> float:
@@ -54,6 +61,7 @@ class Case:
         return max(TOLERANCE[self.dtype], TOLERANCE[self.kv_dtype or self.dtype])
 
 
+SCALES_OF_FLOAT_POOLS = {"k_scale": 1.0, "v_scale": 1.0}
 DECODE_CASES = [
     Case(8, 16, 1, "float32", tiles={"num_splits": 1}),
     Case(16, 32, 2, "bfloat16"),  # default split-K and tile
@@ -63,6 +71,8 @@ DECODE_CASES = [
     Case(16, 16, 4, "float32", tiles={"pages_per_tile": 2, "num_splits": 2}),
     Case(16, 32, 2, "bfloat16", kv_dtype="float16"),  # an f16 pool under bf16 activations
     Case(8, 16, 1, "float32", kv_dtype="float16", tiles={"num_splits": 1}),
+    # An fp8 pool under bf16 activations, scales applied on the way out of the pool.
+    Case(16, 32, 2, "bfloat16", kv_dtype="float8_e4m3fn", k_scale=0.05, v_scale=4.0, tiles={"num_splits": 2}),
 ]
 RAGGED_CASES = [
     Case(8, 16, 1, "float32"),
@@ -73,8 +83,10 @@ RAGGED_CASES = [
     Case(16, 16, 4, "float32", tiles={"pages_per_tile": 2, "block_q": 8}),
     Case(16, 32, 2, "bfloat16", kv_dtype="float16"),
     Case(8, 16, 1, "float32", kv_dtype="float16"),
+    Case(8, 64, 3, "float32", num_kv_heads=3, kv_dtype="float8_e4m3fn", k_scale=0.05, v_scale=4.0),
 ]
-TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+# fp8: kernel and reference widen the same e4m3 elements exactly, so only q's type and the v_scale'd sums differ.
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2, "float8_e4m3fn": 1e-4}
 
 
 def fill_pool(
@@ -150,9 +162,9 @@ class TestKernelsEqualReference:
         q = random_q(rng, case, len(seq_lens))
         seq_lens = jnp.asarray(seq_lens, jnp.int32)
         out = paged_decode_attention(
-            q, k_pages, v_pages, seq_lens, block_tables, SM_SCALE, interpret=interpret, **case.tiles
+            q, k_pages, v_pages, seq_lens, block_tables, SM_SCALE, interpret=interpret, **case.tiles, **case.scales
         )
-        ref = paged_decode_attention_reference(q, k_pages, v_pages, seq_lens, block_tables, SM_SCALE)
+        ref = paged_decode_attention_reference(q, k_pages, v_pages, seq_lens, block_tables, SM_SCALE, **case.scales)
         assert out.dtype == q.dtype and out.shape == q.shape
         assert_matches(out, ref, case.tolerance)
         assert not np.asarray(out[0]).any(), "a request with seq_len 0 must give 0"
@@ -164,8 +176,10 @@ class TestKernelsEqualReference:
         k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
         q = random_q(rng, case, num_tokens)
         metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
-        out = ragged_paged_attention(q, k_pages, v_pages, metadata, SM_SCALE, interpret=interpret, **case.tiles)
-        ref = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, metadata, SM_SCALE, interpret=interpret, **case.tiles, **case.scales
+        )
+        ref = ragged_paged_attention_reference(q, k_pages, v_pages, metadata, SM_SCALE, **case.scales)
         assert out.dtype == q.dtype and out.shape == q.shape
         assert_matches(out, ref, case.tolerance)
         assert not np.asarray(out[sum(q_lens) :]).any(), "padding tokens must give 0"
@@ -217,6 +231,21 @@ def test_kv_write_leaves_every_other_slot_bit_identical(dtype, bits):
         np.testing.assert_array_equal(after_bits, before_bits)
         expected = np.asarray(new[: len(real_slots)].astype(dtype).swapaxes(0, 1))
         np.testing.assert_array_equal(np.asarray(after[:, blocks, offsets]), expected)
+
+
+def test_fp8_write_divides_by_the_scale_rounds_to_even_and_saturates():
+    """Hand-worked e4m3fn (3 mantissa bits, largest 448, subnormal step 2^-9) at k_scale 0.5, v_scale 2."""
+    k = jnp.asarray([0.53125, 0.59375, 300.0, -1e4, jnp.nan, 0.0008, 0.25, -0.0], jnp.float32)
+    # k / 0.5: 1.0625 ties to 1.0 (even), 1.1875 to 1.25, 600 and -2e4 saturate, NaN stays, 0.0016 is 0.82
+    # subnormal steps of 2^-9: one step; 0.5 is exact, -0 keeps its sign.
+    want_k = [1.0, 1.25, 448.0, -448.0, np.nan, 2.0**-9, 0.5, -0.0]
+    pool = jnp.zeros((1, 2, 8, 1), jnp.float8_e4m3fn)
+    slots = jnp.arange(8, 16, dtype=jnp.int32)
+    k_pages, v_pages = write_kv(pool, pool, k[:, None, None], k[:, None, None] * 4, slots, k_scale=0.5, v_scale=2.0)
+    np.testing.assert_array_equal(np.asarray(k_pages[0, 1, :, 0], np.float32), want_k)
+    assert np.signbit(np.asarray(k_pages[0, 1, 7, 0], np.float32))
+    # V = 4k at scale 2 stores 2k: the same elements.
+    np.testing.assert_array_equal(np.asarray(v_pages[0, 1, :, 0], np.float32), want_k)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,14 @@ def test_llama3_8b_on_two_h100s_matches_the_arithmetic():
     assert [r.batch_size for r in p.roofline] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
+def test_fp8_kv_cache_halves_float16s_bytes_per_token_and_doubles_its_blocks():
+    half, fp8 = (plan("llama-3-8b", "h100", 2, max_model_len=8192, kv_cache_dtype_name=name) for name in ("float16", "fp8"))
+    assert fp8.kv_cache_dtype == "float8_e4m3fn"
+    assert fp8.kv_bytes_per_token_per_device == half.kv_bytes_per_token_per_device // 2 == 2 * 4 * 128 * 1 * 32
+    # The same free bytes in blocks of 16 tokens * 32,768 bytes (float16's: 1 MiB, 66,069 of them).
+    assert half.num_kv_blocks == 66_069 and fp8.num_kv_blocks == 69_278_883_840 // 2**19 == 132_138
+
+
 def test_fewer_kv_heads_than_devices_replicates_them_and_says_what_it_costs():
     p = plan("llama-3-70b", "h100", 16)
     # 8 KV heads on 16 devices: each device holds one whole head (k/v 8192 x 128), each head on 2 devices.

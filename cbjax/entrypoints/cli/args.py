@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from cbjax.config import KV_CACHE_DTYPES
 from cbjax.core.kv.prefix_cache import HASH_ALGOS
 from cbjax.core.sched.policy import SCHEDULING_POLICIES
 from cbjax.quantization import QUANTIZATIONS
@@ -31,7 +32,7 @@ def add_engine_args(
     else:
         parser.add_argument("--model", required=model_required, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                         help="weight-only quantization of the decoder projections at load (default: none)")
     parser.add_argument("--max-num-seqs", type=int, default=64)

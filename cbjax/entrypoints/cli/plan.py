@@ -7,6 +7,7 @@ import sys
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from cbjax.config import KV_CACHE_DTYPES
     from cbjax.plan.accelerators import ACCELERATORS
 
     p = sub.add_parser("plan", help="weights, KV capacity and a decode roofline per device under tensor parallelism")
@@ -17,7 +18,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="mixture-of-experts: whole experts per device (num_experts / N each), not each expert split")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's, min(model's limit, 2048)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--context-len", type=int, default=None, help="context of every sequence in the roofline (default max_model_len)")
