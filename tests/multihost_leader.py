@@ -13,7 +13,9 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
+from xla_flags import with_host_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_host_devices(2)  # before jax starts
 
 from multihost_options import ENGINE_OPTIONS, MAX_TOKENS, prompts  # noqa: E402
 

@@ -11,7 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from xla_flags import with_host_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_host_devices(2)
 
 from test_lora_engine import ADAPTERS, NUM_TOKENS, greedy, make_adapters  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from test_kernel_lowering import metadata as abstract_metadata
 from tiny_checkpoint import make_tiny_checkpoint
+from xla_flags import with_host_devices
 
 from cbjax.worker.compilation.compile_cache import DISABLE_ENV, compile_cache_folder
 from kernels_cpu import build as kernel_build
@@ -47,7 +48,7 @@ print(json.dumps({"requests": requests, "compiles": requests - events.get("/jax/
 
 def run_engine_process(checkpoint: Path, cache: Path, seed: int = 0) -> dict:
     # Four host devices, as on a multi-GPU host: the engine runs on one of them.
-    env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = os.environ | {"CBJAX_CACHE_DIR": str(cache), "XLA_FLAGS": with_host_devices(4),
                         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     env.pop(DISABLE_ENV, None)
     result = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), str(seed)], env=env, capture_output=True, text=True,

@@ -25,6 +25,7 @@ import pytest
 from multihost_options import MAX_TOKENS, prompts, worker_flags
 from engine_helpers import hf_greedy
 from tiny_checkpoint import make_tiny_checkpoint
+from xla_flags import with_host_devices
 
 from cbjax.worker.distributed.multihost import PEER_LOST_EXIT_STATUS
 
@@ -44,7 +45,7 @@ def start_pair(ckpt: Path, leader_mode: str) -> tuple[subprocess.Popen, subproce
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=with_host_devices(2),
         JAX_PLATFORMS="cpu",  # virtual CPU devices by design, also on a GPU host
     )
     worker = subprocess.Popen(

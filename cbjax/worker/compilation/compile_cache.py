@@ -80,8 +80,11 @@ CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 
 def step_compiler_options(platform: str) -> dict[str, Any]:
-    """XLA options every step program is compiled with on `platform` (part of JAX's cache key)."""
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+    """XLA options every step program is compiled with on `platform` (part of JAX's cache key); a
+    level given in $XLA_FLAGS wins (the test suite sets 0: tiny models' steps cost nothing to run)."""
+    if platform != "cpu" or "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return dict(CPU_COMPILER_OPTIONS)
 
 
 _thread_state = threading.local()  # set by JAX's cache-hit event, in the thread that compiles
