@@ -22,6 +22,8 @@ def test_json_and_dict_forms_take_vllms_defaults():
      "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "['draft_model'] are not supported"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2.0}, "suffix_decoding_min_token_prob=2.0 must be in [0, 1]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": 1},
+     "adaptive_num_speculative_tokens=1 must be true or false"),
     ("{not json", "is not JSON"),
 ])
 def test_bad_values_name_the_field_value_and_limit(options, words):

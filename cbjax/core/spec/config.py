@@ -24,6 +24,9 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Each request drafts at most one token more than its last verification accepted, and one more
+    # after each verification that accepted all (up to k): drafts past a miss only cost rows (speculation.py).
+    adaptive_num_speculative_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -33,6 +36,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
+        if not isinstance(self.adaptive_num_speculative_tokens, bool):
+            raise ValueError(f"speculative_config adaptive_num_speculative_tokens="
+                             f"{self.adaptive_num_speculative_tokens!r} must be true or false")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}; lower the first or raise the second")
