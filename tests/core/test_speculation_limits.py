@@ -29,7 +29,8 @@ def drafted(speculation: Speculation, request: Request) -> int:
 
 
 def test_a_requests_drafts_shrink_after_a_miss_and_grow_back_after_full_acceptance():
-    speculation = Speculation(SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4}), FourDrafts())
+    config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4, "adaptive_num_speculative_tokens": True})
+    speculation = Speculation(config, FourDrafts())
     request = running_request()
     assert drafted(speculation, request) == 4
     lengths = []
@@ -42,7 +43,7 @@ def test_a_requests_drafts_shrink_after_a_miss_and_grow_back_after_full_acceptan
 
 
 def test_without_adaptation_every_verification_drafts_k():
-    config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4, "adaptive_num_speculative_tokens": False})
+    config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})  # the default: off
     speculation, request = Speculation(config, FourDrafts()), running_request()
     speculation.record("a", 4, 0)
     assert drafted(speculation, request) == 4

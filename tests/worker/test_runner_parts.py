@@ -100,6 +100,8 @@ def test_verifying_steps_get_buckets_of_their_own_size_only_with_speculation():
     assert pick_bucket(buckets, "mixed", 5, 1) == Bucket("mixed", 5, 2)  # one request's newest token and 4 drafts
     assert pick_bucket(buckets, "mixed", 4 + 4 + 1, 3) == Bucket("mixed", 16, 16)  # beside a decode: the fewer tokens
     assert pick_bucket(plain, "mixed", 5, 1) == Bucket("mixed", 16, 16)
+    small = compute_buckets(max_num_seqs=4, max_num_batched_tokens=16, verify_rows=4, num_speculative_tokens=4)
+    assert [b for b in small if b.kind == "mixed"] == [Bucket("mixed", 5, 2), Bucket("mixed", 10, 2), Bucket("mixed", 16, 4)]
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_and_explains_a_miss():

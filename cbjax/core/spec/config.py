@@ -24,9 +24,10 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    # Each request drafts at most one token more than its last verification accepted, and one more
-    # after each verification that accepted all (up to k): drafts past a miss only cost rows (speculation.py).
-    adaptive_num_speculative_tokens: bool = True
+    # Each request drafts at most one token more than its last verification accepted, and one more after
+    # each verification that accepted all (up to k; speculation.py). Off by default: at one request the
+    # verify step is padded to 1 + k tokens anyway, and fewer drafts only forgo accepted tokens.
+    adaptive_num_speculative_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -80,7 +80,8 @@ def compute_buckets(
     for num_tokens in token_sizes(first_tokens, max(max_num_batched_tokens, first_tokens)):
         feasible = [r for r in req_sizes if r <= num_tokens] or [max(MIN_ROWS, min(num_tokens, max_num_seqs))]
         mixed.append(Bucket("mixed", num_tokens, feasible[-1]))
-    verifying = [b for b in verify_buckets(verify_rows, num_speculative_tokens) if b not in mixed]
+    # (one no smaller than the largest mixed step would never be picked: the token budget caps a step)
+    verifying = [b for b in verify_buckets(verify_rows, num_speculative_tokens) if b.num_tokens < mixed[-1].num_tokens]
     return decode + sorted(mixed + verifying, key=lambda b: (b.num_tokens, b.num_reqs))
 
 
