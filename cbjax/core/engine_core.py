@@ -232,7 +232,7 @@ class EngineCore:
         """The verifying rows' runs by request id, each verification counted."""
         by_request = {sampled.sampling_requests[row].request_id: run for row, run in sampled.runs.items()}
         for request_id, drafts in scheduled.spec_token_ids.items():
-            self.speculation.record(len(drafts), len(by_request[request_id]) - 1)
+            self.speculation.record(request_id, len(drafts), len(by_request[request_id]) - 1)
         return by_request
 
     def _release(self, request: Request) -> None:

@@ -44,7 +44,8 @@ from cbjax.core.request import Request
 from cbjax.core.structured.backend import bitmask_words
 from cbjax.core.sched.output import SchedulerOutput
 from cbjax.worker.sample.sharded import sample_vocab_sharded
-from cbjax.worker.sample.verify import DraftInputs, VerifiedTokens, empty_drafts, empty_verified, verify_if_drafted
+from cbjax.worker.sample.verify import (DraftInputs, VerifiedTokens, empty_drafts, empty_verified, logits_with_drafts,
+                                       verify_if_drafted)
 from cbjax.worker.spec.draft_rows import draft_rows_needed, runs, write_draft_row
 from cbjax.worker.distributed.sharding import TensorParallel, step_shardings
 from cbjax.worker.weight_stacks import WeightStacks
@@ -187,7 +188,8 @@ class ModelRunner:
         self.block_table = self._replicated_zeros(self.table.mirror.shape)  # the device's table (block_table.py)
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.step_weights)
         self.buckets = compute_buckets(
-            config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints)
+            config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints,
+            verify_rows=self.num_draft_rows, num_speculative_tokens=self.num_speculative_tokens)
         # Table writes beyond a step's own capacity go first, this many per call of the write_table program.
         self.table_write_size = max(self._write_capacity(bucket) for bucket in self.buckets)
         # The latest step's sampled tokens, kept on the device (padded to the widest bucket): the next
@@ -270,7 +272,7 @@ class ModelRunner:
             token_prompt_lens=zeros(num_tokens),
             prompt_logprob_targets=np.full(num_tokens, -1, np.int32),
             lora_slots=zeros(num_tokens) if self.lora is not None else None,
-            drafts=empty_drafts(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None,
+            drafts=empty_drafts(self._draft_rows(bucket), self.num_speculative_tokens) if self.num_draft_rows else None,
         )
 
     def _host_outputs(self, bucket: Bucket) -> StepOutputs:
@@ -281,9 +283,13 @@ class ModelRunner:
 
         # Every step carries the draft rows where speculation is configured, though only mixed steps verify: a
         # decode and a mixed bucket of one shape then still share their executable (step_shapes).
-        verified = empty_verified(self.num_draft_rows, self.num_speculative_tokens) if self.num_draft_rows else None
+        verified = empty_verified(self._draft_rows(bucket), self.num_speculative_tokens) if self.num_draft_rows else None
         return StepOutputs(SamplerOutput(np.zeros(bucket.num_reqs, np.int32), logprobs(bucket.num_reqs)),
                            logprobs(bucket.num_tokens), verified)
+
+    def _draft_rows(self, bucket: Bucket) -> int:
+        """Draft rows of `bucket`'s steps: no more requests than can verify one draft each in it."""
+        return min(self.num_draft_rows, bucket.num_reqs, bucket.num_tokens // 2)
 
     # ---- the step -----------------------------------------------------------
 
@@ -315,7 +321,11 @@ class ModelRunner:
                 AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh,
                               self.config.enable_expert_parallel),
             )
-            logits = grammar.masked(model.compute_logits(hidden[inputs.logits_indices]), inputs.sampling, grammar_bitmask)
+            if inputs.drafts is None:
+                logits, draft_logits = model.compute_logits(hidden[inputs.logits_indices]), None
+            else:
+                logits, draft_logits = logits_with_drafts(model.compute_logits, hidden, inputs.logits_indices, inputs.drafts)
+            logits = grammar.masked(logits, inputs.sampling, grammar_bitmask)
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
             # each sampling row's last input token is its newest output token, maybe not on the host yet
@@ -328,7 +338,7 @@ class ModelRunner:
                 sampled,
                 prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
                 None if inputs.drafts is None else
-                verify_if_drafted(hidden, model.compute_logits, inputs.drafts, sampling, penalty_state),
+                verify_if_drafted(draft_logits, inputs.drafts, sampling, penalty_state),
             )
             last_sampled = jnp.zeros_like(last_sampled).at[: bucket.num_reqs].set(outputs.sampled.token_ids)
             return kv_pool, penalty_state, last_sampled, block_table, pack_device(outputs)

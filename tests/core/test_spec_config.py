@@ -24,6 +24,8 @@ def test_json_and_dict_forms_take_vllms_defaults():
      "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "['draft_model'] are not supported"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2.0}, "suffix_decoding_min_token_prob=2.0 must be in [0, 1]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": 1},
+     "adaptive_num_speculative_tokens=1 must be true or false"),
     ("{not json", "is not JSON"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' takes the draft's checkpoint directory"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "d"}, "method='ngram' with model='d'"),

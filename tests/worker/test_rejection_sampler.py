@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbjax.worker.sample.rejection import REJECTED, rejection_sample
+from cbjax.worker.sample.rejection import REJECTED, greedy_rejection_sample, rejection_sample
 
 N = 100_000
 # Target distributions at three verified positions of a 4-token vocabulary.
@@ -27,6 +27,21 @@ def test_greedy_accepts_while_draft_is_argmax():
     tokens, accepted = run(probs, [[2, 1], [2, 0], [2, 0]], [2, 2, 1], [True] * 3)
     assert tokens.tolist() == [[2, 0, REJECTED], [2, 0, 3], [2, 0, REJECTED]]
     assert accepted.tolist() == [1, 2, 1]
+
+
+def test_greedy_rows_from_the_argmax_alone_match_the_probability_path():
+    # Random argmax chains and drafts that agree for a random prefix; rows verify 0..k drafts.
+    rng = np.random.default_rng(0)
+    rows, k, vocab = 64, 4, 5
+    target_ids = rng.integers(0, vocab, (rows, k + 1))
+    drafts = np.where(rng.random((rows, k)) < 0.7, target_ids[:, :k], rng.integers(0, vocab, (rows, k)))
+    num_draft = rng.integers(0, k + 1, rows)
+    one_hot = np.eye(vocab, dtype=np.float32)[target_ids]
+    expected = run(one_hot, drafts, num_draft, np.ones(rows, bool))
+    tokens, accepted = greedy_rejection_sample(jnp.asarray(target_ids, jnp.int32), jnp.asarray(drafts, jnp.int32),
+                                               jnp.asarray(num_draft, jnp.int32))
+    assert np.asarray(tokens).tolist() == expected[0].tolist() and np.asarray(accepted).tolist() == expected[1].tolist()
+    assert {0, k} <= set(expected[1].tolist())  # the cases cover no draft accepted and all of them
 
 
 def test_sampled_output_is_distributed_as_the_target():

@@ -93,6 +93,17 @@ def test_a_prompt_step_pads_at_most_a_third_of_its_rows_from_64_tokens():
         assert chosen >= num_tokens and (chosen - num_tokens) * 3 < chosen
 
 
+def test_verifying_steps_get_buckets_of_their_own_size_only_with_speculation():
+    plain = compute_buckets(max_num_seqs=32, max_num_batched_tokens=256)
+    buckets = compute_buckets(max_num_seqs=32, max_num_batched_tokens=256, verify_rows=4, num_speculative_tokens=4)
+    assert sorted(set(buckets) - set(plain)) == [Bucket("mixed", 5, 2), Bucket("mixed", 10, 2), Bucket("mixed", 20, 4)]
+    assert pick_bucket(buckets, "mixed", 5, 1) == Bucket("mixed", 5, 2)  # one request's newest token and 4 drafts
+    assert pick_bucket(buckets, "mixed", 4 + 4 + 1, 3) == Bucket("mixed", 16, 16)  # beside a decode: the fewer tokens
+    assert pick_bucket(plain, "mixed", 5, 1) == Bucket("mixed", 16, 16)
+    small = compute_buckets(max_num_seqs=4, max_num_batched_tokens=16, verify_rows=4, num_speculative_tokens=4)
+    assert [b for b in small if b.kind == "mixed"] == [Bucket("mixed", 5, 2), Bucket("mixed", 10, 2), Bucket("mixed", 16, 4)]
+
+
 def test_pick_bucket_takes_the_smallest_that_fits_and_explains_a_miss():
     buckets = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512)
     assert pick_bucket(buckets, "decode", 9, 9) == Bucket("decode", 16, 16)

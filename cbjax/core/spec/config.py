@@ -27,6 +27,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     model: str | None = None  # draft_model: the draft's checkpoint directory (same vocabulary as the target)
     draft_tensor_parallel_size: int = 1  # draft_model: the draft runs on one device
+    # Each request drafts at most one token more than its last verification accepted, and one more after
+    # each verification that accepted all (up to k; speculation.py). Off by default: at one request the
+    # verify step is padded to 1 + k tokens anyway, and fewer drafts only forgo accepted tokens.
+    adaptive_num_speculative_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,6 +46,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
+        if not isinstance(self.adaptive_num_speculative_tokens, bool):
+            raise ValueError(f"speculative_config adaptive_num_speculative_tokens="
+                             f"{self.adaptive_num_speculative_tokens!r} must be true or false")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}; lower the first or raise the second")

@@ -5,6 +5,11 @@ every token is known (none in flight), and only while the running batch is at mo
 disable_by_batch_size: a larger batch's step costs about as much per token row as it saves. The
 scheduler verifies them in the request's next step (1 + k query tokens); the device's rejection
 sampler keeps the output exactly the target's.
+
+With adaptive_num_speculative_tokens, a request's drafts are cut to its own limit: one more than its
+last verification accepted, growing by one after each verification that accepted every draft, never
+above k. On CPU every verified row costs step time (buckets of n * (1 + k) tokens), so drafts past
+where the last run broke off are mostly paid for and thrown away.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class Speculation:
         self.drafter = drafter
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
+        # adaptive_num_speculative_tokens: each speculating request's draft limit, by request id (absent: k)
+        self.draft_limits: dict[str, int] | None = {} if config.adaptive_num_speculative_tokens else None
         # vLLM's SpecDecodingStats, cumulative
         self.num_drafts = 0  # verified requests with at least one draft token
         self.num_draft_tokens = 0
@@ -61,11 +68,15 @@ class Speculation:
         speculating = [request for request in requests
                        if request.status is _RUNNING and not request.num_output_placeholders and may_speculate(request)]
         if speculating:
+            limits, k = self.draft_limits, self.k
             for request, drafts in zip(speculating, self.drafter.draft(speculating)):
-                request.spec_token_ids = drafts
+                request.spec_token_ids = drafts if limits is None else drafts[: limits.get(request.request_id, k)]
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_draft` drafts accepted."""
+        if self.draft_limits is not None:
+            limit = self.draft_limits.get(request_id, self.k)
+            self.draft_limits[request_id] = min(self.k, limit + 1 if num_accepted == num_draft else num_accepted + 1)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -74,6 +85,8 @@ class Speculation:
 
     def finish(self, request: Request) -> None:
         self.drafter.finish(request)
+        if self.draft_limits is not None:
+            self.draft_limits.pop(request.request_id, None)
 
     def stats(self) -> dict[str, Any]:
         """The counters for get_stats() (and the /metrics counters made from them)."""

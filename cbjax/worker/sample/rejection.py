@@ -35,10 +35,14 @@ def _verify_row(probs: Float[Array, "K1 V"], draft: Int[Array, " K"], num_draft:
     residual = jnp.where(rejected, target.at[draft[jnp.minimum(num_accepted, k - 1)]].set(0.0), target)
     drawn = jax.random.categorical(draw_key, jnp.log(residual))
     token = jnp.where(greedy, argmax[num_accepted], drawn)
-    slots = jnp.arange(k + 1)
+    return _run(draft, num_accepted, token), num_accepted
+
+
+def _run(draft: Int[Array, " K"], num_accepted: Int[Array, ""], token: Int[Array, ""]) -> Int[Array, " K1"]:
+    """The row's output slots: its accepted drafts, then `token`, then REJECTED."""
+    slots = jnp.arange(draft.shape[0] + 1)
     padded_draft = jnp.concatenate([draft, jnp.zeros((1,), draft.dtype)])
-    out = jnp.where(slots < num_accepted, padded_draft, jnp.where(slots == num_accepted, token, REJECTED))
-    return out.astype(jnp.int32), num_accepted
+    return jnp.where(slots < num_accepted, padded_draft, jnp.where(slots == num_accepted, token, REJECTED)).astype(jnp.int32)
 
 
 def rejection_sample(
@@ -52,3 +56,15 @@ def rejection_sample(
         raise ValueError(f"rejection_sample needs k >= 1 draft slots, got draft_ids of shape {draft_ids.shape}; "
                          "rows without drafts pass num_draft=0")
     return jax.vmap(_verify_row)(target_probs, draft_ids, num_draft, greedy, keys)
+
+
+def greedy_rejection_sample(
+    target_ids: Int[Array, "R K1"], draft_ids: Int[Array, "R K"], num_draft: Int[Array, " R"],
+) -> tuple[Int[Array, "R K1"], Int[Array, " R"]]:
+    """rejection_sample for rows that are all greedy, from the target's argmax at each position alone:
+    the same output without a probability row (each [V] wide) per position."""
+    k = draft_ids.shape[1]
+    accepted = (draft_ids == target_ids[:, :k]) & (jnp.arange(k) < num_draft[:, None])
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+    tokens = jnp.take_along_axis(target_ids, num_accepted[:, None], axis=1)[:, 0]
+    return jax.vmap(_run)(draft_ids, num_accepted, tokens), num_accepted
