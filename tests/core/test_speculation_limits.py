@@ -10,8 +10,8 @@ from cbjax.sampling_params import SamplingParams
 class FourDrafts:
     k = 4
 
-    def draft(self, request):
-        return [7, 8, 9, 10]
+    def draft(self, requests):
+        return [[7, 8, 9, 10] for _ in requests]
 
     def finish(self, request):
         pass
