@@ -24,6 +24,7 @@ from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.weights_cache import DISABLE_ENV
 from kernels_cpu import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
 from kernels_cpu.quant import quantize_int8
+from kernels_cpu.quant4 import dequantize_int4, quantize_int4
 from cbjax.models.layers.attention import AttentionPlan
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
@@ -109,7 +110,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
-    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 panels too."""
+    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 and 4-bit panels too."""
     import kernels_cpu.build as kernel_build
 
     if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
@@ -134,6 +135,14 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(q), scales)
         assert_product(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), k)
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
+                                platform="cpu")
+    for rows, k, n in [(1, 64, 31), (9, 576, 96), (6, 128, 40)]:
+        x, w, _ = product(np.random.default_rng(rows), rows, k, n)
+        nibbles, scales, mins = quantize_int4(w, group_size=32)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(nibbles), scales, mins)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins), rtol=1e-4, atol=1e-4)
 
 
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
