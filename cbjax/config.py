@@ -21,9 +21,10 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "float16" halves the pool's bytes
-    # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) for every
-    # decoder projection; embeddings and the LM head stay float, and so do the checkpoint and its weights cache.
-    # On a CPU with cpu_packed_weights the int8 weights are packed for the C++ int8 matmul. None: off.
+    # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) or "int4"
+    # (groups of 128 inputs per output channel, symmetric or asymmetric per group) for every decoder projection;
+    # embeddings and the LM head stay float, and so do the checkpoint and its weights cache. On a CPU with
+    # cpu_packed_weights the weights are packed for the C++ int8 / 4-bit matmul. None: off.
     quantization: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
@@ -45,7 +46,7 @@ class EngineConfig:
     prompt_bucket_midpoints: bool = False
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     # On a CPU with the C++ kernels (attention_backend "auto" or "cpp"), one device: float32 (or
-    # quantized int8) projection weights packed in 32-column panels at load and multiplied by the C++ matmul
+    # quantized int8/int4) projection weights packed in 32-column panels at load and multiplied by the C++ matmul
     # kernel, 1.3-1.55x faster than XLA:CPU's dots at decode steps' 8-64 rows (bfloat16 weights
     # keep XLA's dots, see llama.PACKED_DTYPES). False: XLA's dots.
     cpu_packed_weights: bool = True

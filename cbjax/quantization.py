@@ -3,7 +3,9 @@ checks them in the front end; the weights are quantized at load (cbjax.models.la
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("int8",)  # int8: weight-only, symmetric per output channel (kernels_cpu/quant.py); int4 plugs in here
+# int8: weight-only, symmetric per output channel (kernels_cpu/quant.py); int4: weight-only, groups of 128
+# inputs per output channel, symmetric or asymmetric per group, whichever is closer (kernels_cpu/quant4.py).
+QUANTIZATIONS = ("int8", "int4")
 
 
 def check_quantization(name: str | None) -> None:
