@@ -3,6 +3,7 @@ checkpoint rearrangements done at load (fused q/k/v and gate/up, packed kernels)
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -59,12 +60,14 @@ PACKED_DTYPES = (jnp.dtype(jnp.float32),)
 def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
     matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
-    allows; the LM head and embeddings as they are. The cast comes first, so the layout is the
+    allows, 4-bit nibbles (kept as stored) into nibble panels; the LM head and embeddings as they are. The cast comes first, so the layout is the
     served dtype's. One tensor at a time: each packed copy replaces its original."""
     if jnp.dtype(dtype) not in PACKED_DTYPES:
         return params
     for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
+        if ".layers." in name and name.endswith("_proj.kernel") and params[name].dtype == jnp.uint8:
+            params[name] = pack_weight(params.pop(name))  # 4-bit as stored (a GGUF file's): nibble panels
+        elif ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
@@ -104,6 +107,17 @@ def quantized_leaves(quantization: str, k: int, n: int) -> dict[str, tuple[tuple
     return {"kernel": ((k // 2, n), jnp.uint8), "scales": (groups, jnp.float32), "mins": (groups, jnp.float32)}
 
 
+def declare_stored_4bit(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Module:
+    """`model` (abstract) with each projection that `params` holds in 4-bit form (a `...mins` beside
+    its kernel, as a GGUF file's Q4 tensors are read) declared as those nibbles, scales and mins."""
+    for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
+        prefix = "".join(f"{key}." for key in path)
+        if isinstance(module, Linear) and prefix + "mins" in params:
+            for leaf in ("kernel", "scales", "mins"):
+                setattr(module, leaf, nnx.Param(jax.ShapeDtypeStruct(params[prefix + leaf].shape, params[prefix + leaf].dtype)))
+    return model
+
+
 def declare_quantized(model: nnx.Module, quantization: str | None) -> nnx.Module:
     """`model` with each projection that quantize_linears quantizes declared as its quantized kernel and
     the float32 parameters beside it (quantized_leaves), so its state has the quantized weights' names,
@@ -126,12 +140,12 @@ FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 
 def fuse_projections(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
     """`params` (checkpoint names, kernels [in, out]) with each layer's q/k/v and gate/up kernels
-    (and biases) concatenated along their output columns into the fused model's parameters. One
+    (and biases; 4-bit nibbles with their scales and mins) concatenated along their output columns into the fused model's parameters. One
     layer at a time: each fused copy replaces its parts."""
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
         for fused, parts in FUSED_PROJECTIONS.items():
-            for leaf, axis in (("kernel", 1), ("bias", 0)):
+            for leaf, axis in (("kernel", 1), ("bias", 0), ("scales", -1), ("mins", -1)):  # 4-bit: [groups, out]
                 names = [f"{prefix}{part}.{leaf}" for part in parts]
                 if all(name in params for name in names):
                     params[f"{prefix}{fused}.{leaf}"] = np.concatenate([params.pop(name) for name in names], axis=axis)
