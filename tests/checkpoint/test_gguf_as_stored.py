@@ -5,15 +5,18 @@ dequantized float32 import (`cbjax import-gguf` + convert, an independent path) 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from test_gguf_import import QUANT_TYPES, write_tiny_llama_gguf
-from test_packed_matmul import forward_logits
+from test_gguf_import import QUANT_TYPES, real_gguf_path, write_tiny_llama_gguf
+from test_packed_matmul import forward_logits, model_logits
 from tokenizers import Tokenizer
 
 from cbjax import LLM, SamplingParams
@@ -22,8 +25,10 @@ from cbjax.checkpoint.gguf_import import import_gguf, write_as_stored_dir
 from cbjax.checkpoint.gguf_params import _kept_as_stored
 from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
 from cbjax.checkpoint.loader import load_model
+from cbjax.entrypoints.demo import PLAIN_PROMPTS
 from kernels_cpu.quant4 import dequantize_int4
 
+SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct"
 # q/k/v and gate/up 4-bit (each fused kernel one form, types mixed inside one), o_proj 4-bit; the rest as before.
 AS_STORED_TYPES = {**QUANT_TYPES, "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q4_0,
                    "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
@@ -110,3 +115,31 @@ def test_llm_serves_a_gguf_file_with_its_own_tokenizer_as_transformers_serves_it
 def test_a_gguf_model_is_not_quantized_again(tiny_gguf):
     with pytest.raises(ValueError, match="already quantized; quantization='int8' cannot quantize them again"):
         load_model(tiny_gguf[0], quantization="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
+def test_smollm2_q4_1_as_stored_computes_its_float32_import():
+    """The built-in model's own file: the engine serving it as stored continues 8 prompts greedily for 64
+    tokens, and at every one of those positions the dequantized float32 import (scripts/fetch_model.sh:
+    import-gguf + convert) picks the same token (one forward pass each), so its greedy continuations are the
+    same; and the two models' logits agree to float32 accumulation."""
+    if real_gguf_path() is None or not (SMOLLM2_CHECKPOINT / "params").is_dir():
+        pytest.skip("SmolLM2 GGUF or its converted checkpoint missing (scripts/fetch_model.sh)")
+    llm = LLM(str(real_gguf_path()), **ENGINE_OPTIONS)
+    outputs = llm.generate(PLAIN_PROMPTS[:8], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                           use_tqdm=False)
+    reference, _ = load_model(SMOLLM2_CHECKPOINT, pack_for_cpu=True, fused_projections=True)
+    runner = llm.llm_engine.runner
+    as_stored = nnx.merge(runner.graphdef, jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights))
+    tokens = list(outputs[0].prompt_token_ids) + list(outputs[0].outputs[0].token_ids)[:24]  # 32: forward_logits' pool
+    want = forward_logits(reference, tokens, "cpp")
+    np.testing.assert_allclose(forward_logits(as_stored, tokens, "cpp"), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    logits = nnx.jit(model_logits, static_argnums=2)
+    agreeing = 0
+    for output in outputs:  # padded to one length: one compile; causal, so the padding changes no earlier logit
+        tokens = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
+        picks = np.asarray(logits(reference, jnp.array(tokens + [0] * (96 - len(tokens))), "cpp"))[
+            len(output.prompt_token_ids) - 1 : len(tokens) - 1].argmax(-1)
+        agreeing += list(picks) == list(output.outputs[0].token_ids)
+    assert agreeing >= 0.95 * len(outputs), f"{agreeing} of {len(outputs)} continuations agree"

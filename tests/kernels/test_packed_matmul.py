@@ -147,17 +147,23 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
 
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
     """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
+    return np.asarray(model_logits(model, jnp.array(token_ids), backend))
+
+
+def model_logits(model, token_ids: jax.Array, backend: str) -> jax.Array:
+    """forward_logits as a jax function of the tokens (jit it with backend static)."""
     from kernels_pallas import AttentionMetadata
     from cbjax.models.layers.kv_pool import init_kv_pool
 
     n = len(token_ids)
-    caches = init_kv_pool(model.config, 4, 16, jnp.float32)
+    pages = max(2, -(-n // 16))
+    caches = init_kv_pool(model.config, pages + 2, 16, jnp.float32)
     metadata = AttentionMetadata(
         slot_mapping=jnp.arange(16, 16 + n, dtype=jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
-        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.array([[1, 2]], jnp.int32),
+        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
     )
-    logits, _ = model(jnp.array(token_ids), jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
-    return np.asarray(logits)
+    logits, _ = model(token_ids, jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
+    return logits
 
 
 @pytest.mark.parametrize("backend", ["cpp", "xla"])
