@@ -22,7 +22,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # "auto": the activation dtype; "float16" halves the pool's bytes
     # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) or "int4"
-    # (groups of 128 inputs per output channel, symmetric or asymmetric per group) for every decoder projection;
+    # (groups of 128 inputs per output channel, symmetric or asymmetric per group; "int4-g64"/"int4-g32" for
+    # widths 128 does not divide) for every decoder projection;
     # embeddings and the LM head stay float, and so do the checkpoint and its weights cache. On a CPU with
     # cpu_packed_weights the weights are packed for the C++ int8 / 4-bit matmul. None: off.
     quantization: str | None = None

@@ -46,7 +46,7 @@ def test_vllm_sampling_option_at_its_default_changes_nothing():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"quantization": "awq"}, r"quantization='awq' is not supported; use one of \('int8', 'int4'\) or None"),
+    ({"quantization": "awq"}, r"quantization='awq' is not supported; use one of \('int8', 'int4', 'int4-g64', 'int4-g32'\) or None"),
     ({"trust_remote_code": True}, r"LLM\(trust_remote_code=True\) is a vLLM option that cbjax does not support"),
     ({"pipeline_parallel_size": 2}, r"LLM\(pipeline_parallel_size=2\) is a vLLM option that cbjax does not support"),
     ({"max_num_seqs": "8"}, r"max_num_seqs must be an int, got '8' \(str\)"),

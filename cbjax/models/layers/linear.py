@@ -10,10 +10,10 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
-from cbjax.quantization import check_quantization
+from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
 from kernels_cpu.quant import int8_matmul, quantize_int8
-from kernels_cpu.quant4 import INT4_GROUP_SIZE, check_group_size, int4_matmul, quantize_int4
+from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> the parameters beside it and its unpacked product: int8 q [in, out] with
 # scales [out]; 4-bit nibbles [in / 2, out] with scales and mins [in / G, out] (GGUF's 4-bit tensors too).
@@ -81,7 +81,7 @@ def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
 def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pack: bool = False) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant,
     quant4): "int8" `...kernel` int8 and `...scales` [out] float32 beside it; "int4" `...kernel` uint8
-    nibbles [in / 2, out] and `...scales`, `...mins` [in / 128, out]. With `pack`, the kernel is packed in
+    nibbles [in / 2, out] and `...scales`, `...mins` [in / G, out] (G 128, or the name's "-gG"). With `pack`, the kernel is packed in
     32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
     stay in the activation dtype (their rows are gathered, and the head's error lands on every logit).
     Run on the float weights at load, after fuse_projections (a fused kernel's columns keep their own
@@ -89,21 +89,32 @@ def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pa
     check_quantization(quantization)
     if quantization is None:
         return params
-    quantize = quantize_int8 if quantization == "int8" else quantize_int4
     for name in list(params):
         if is_quantized_projection(name, params[name].shape):
-            q, *beside = quantize(params.pop(name))
+            if quantization != "int8":
+                check_int4_group(quantization, name, params[name].shape[0])
+            weight = params.pop(name)
+            q, *beside = quantize_int8(weight) if quantization == "int8" else quantize_int4(weight, int4_group_size(quantization))
             params.update(zip((name.removesuffix("kernel") + leaf for leaf in ("scales", "mins")), beside))
             params[name] = pack_weight(q) if pack else q
     return params
+
+
+def check_int4_group(quantization: str, name: str, k: int) -> None:
+    """Raise naming the group, the width and the names that fit unless the group divides `k` inputs."""
+    if k % int4_group_size(quantization):
+        raise ValueError(
+            f"quantization={quantization!r} quantizes groups of {int4_group_size(quantization)} inputs, which do not "
+            f"divide the {k} inputs of {name}; use one whose group divides {k}: {int4_groups_dividing(k) or 'none'}"
+        )
 
 
 def quantized_leaves(quantization: str, k: int, n: int) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
     """The (shape, dtype) of each parameter quantize_linears makes of an unpacked [k, n] kernel, by leaf name."""
     if quantization == "int8":
         return {"kernel": ((k, n), jnp.int8), "scales": ((n,), jnp.float32)}
-    check_group_size(k, INT4_GROUP_SIZE)
-    groups = (k // INT4_GROUP_SIZE, n)
+    check_int4_group(quantization, "a projection", k)
+    groups = (k // int4_group_size(quantization), n)
     return {"kernel": ((k // 2, n), jnp.uint8), "scales": (groups, jnp.float32), "mins": (groups, jnp.float32)}
 
 
