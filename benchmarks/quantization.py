@@ -1,14 +1,15 @@
-"""float32 against int8 weights, side by side: `python -m benchmarks.quantization`.
+"""float32 against int8, int4 and the GGUF file served as stored, side by side: `python -m benchmarks.quantization`.
 
 Speed: decode-heavy requests (short random prompts, `--output-len` tokens each, EOS ignored) at each
-`--num-seqs`, output tokens/s of the float32 engine (projections packed for the C++ matmul) and the
-quantization="int8" engine, alternated round by round in one process so that load from other
-processes falls on both alike; the median round is reported. Quality: perplexity of each engine on a
-held-out English text that ships with the OS (default: the GPL-3 and GFDL-1.3 texts of Debian's
-common-licenses), scored with prompt_logprobs over consecutive `--window`-token windows (each
-window's first token is not scored), and greedy agreement of the two engines' continuations.
+`--num-seqs`, output tokens/s of the float32 engine (projections packed for the C++ matmul), the
+quantization="int8" and "int4" engines (int8 / 4-bit panels) and the `--gguf` file served as stored
+(its Q4_1 projections as 4-bit panels; for the built-in model, the file the float32 checkpoint was
+imported from), alternated round by round in one process so that load from other processes falls on
+all alike; the median round is reported, with each engine's weight bytes. Quality: perplexity of each
+engine on a held-out English text that ships with the OS (default: the GPL-3 and GFDL-1.3 texts of
+Debian's common-licenses), scored with prompt_logprobs over consecutive `--window`-token windows (each
+window's first token is not scored), and greedy agreement of each engine's continuations with float32's.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,8 @@ from cbjax import LLM, SamplingParams
 from cbjax.bench.common import print_table, write_json
 
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3"]
-QUANTIZATIONS = {"float32": None, "int8": "int8"}
+GGUF = "downloads/SmolLM2-135M-Instruct.Q4_1.gguf"
+ENGINES = ("float32", "int8", "int4", "gguf-as-stored")
 
 
 def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
@@ -48,7 +50,12 @@ def perplexity(llm: LLM, token_ids: list[int], window: int) -> tuple[float, int]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--gguf", default=GGUF, help="the GGUF file served as stored (the float model's source)")
+    # SmolLM2's float32 weights are its Q4_1 file dequantized: groups of 32 land on that grid again (perplexity
+    # 18.0, 16/16 greedy continuations as float32's), groups of 64 round it twice (23.3, 0/16).
+    p.add_argument("--int4", default="int4-g32", help="the int4 engine's quantization= (576 wide: int4-g64 or -g32)")
+    p.add_argument("--weights", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to compare")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine and batch size")
@@ -58,10 +65,13 @@ def main() -> None:
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
+    specs = {"float32": (args.model, None), "int8": (args.model, "int8"), "int4": (args.model, args.int4),
+             "gguf-as-stored": (args.gguf, None)}  # name -> (model, quantization=)
     engines = {}
-    for name, quantization in QUANTIZATIONS.items():
+    for name in dict.fromkeys(["float32", *args.weights]):  # float32 first: the baseline of every ratio
+        model, quantization = specs[name]
         start = time.perf_counter()
-        engines[name] = LLM(args.model, quantization=quantization, **options)
+        engines[name] = LLM(model, quantization=quantization, **options)
         print(f"{name}: engine built in {time.perf_counter() - start:.0f} s", flush=True)
     weight_bytes = {name: sum(w.nbytes for w in llm.llm_engine.runner.weights) for name, llm in engines.items()}
 
@@ -75,9 +85,10 @@ def main() -> None:
                     runs[name].append(rate)
         medians = {name: statistics.median(rates) for name, rates in runs.items()}
         rows += [{"num_seqs": num_seqs, "weights": name, "output_tok_s": medians[name],
-                  "vs_float32": medians[name] / medians["float32"], "rounds": " ".join(f"{r:.0f}" for r in runs[name])}
+                  "vs_float32": medians[name] / medians["float32"], "weight_bytes_vs_float32":
+                  weight_bytes[name] / weight_bytes["float32"], "rounds": " ".join(f"{r:.0f}" for r in runs[name])}
                  for name in engines]
-    print_table(rows, ["num_seqs", "weights", "output_tok_s", "vs_float32", "rounds"])
+    print_table(rows, ["num_seqs", "weights", "output_tok_s", "vs_float32", "weight_bytes_vs_float32", "rounds"])
 
     tokenizer = engines["float32"].get_tokenizer()
     text = "\n\n".join(Path(path).read_text() for path in args.texts)
@@ -95,14 +106,17 @@ def main() -> None:
     greedy = {name: [list(o.outputs[0].token_ids) for o in llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens, ignore_eos=True), use_tqdm=False)]
         for name, llm in engines.items()}
-    same = sum(a == b for x, y in zip(greedy["float32"], greedy["int8"]) for a, b in zip(x, y))
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                  for x, y in zip(greedy["float32"], greedy["int8"])]
-    print(f"greedy agreement: {same}/{len(prompts) * args.greedy_tokens} tokens; "
-          f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
+    agreement = {}
+    for name in engines:
+        same = sum(a == b for x, y in zip(greedy["float32"], greedy[name]) for a, b in zip(x, y))
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                      for x, y in zip(greedy["float32"], greedy[name])]
+        agreement[name] = {"same_tokens": same, "first_diff": first_diff}
+        print(f"greedy agreement of {name} with float32: {same}/{len(prompts) * args.greedy_tokens} tokens; "
+              f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
     write_json(args.result_json, {"speed": rows, "quality": quality, "text_files": args.texts,
-                                  "text_tokens": len(token_ids), "greedy_same_tokens": same,
-                                  "greedy_first_diff": first_diff, "options": options})
+                                  "text_tokens": len(token_ids), "greedy_agreement": agreement,
+                                  "weight_bytes": weight_bytes, "options": options})
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ class EngineConfig:
     # The KV pool's dtype: "auto" (the activation dtype), "float32", "bfloat16", "float16" (halves float32's bytes), or
     # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages at scale 1.0, half float16's bytes (docs/caching.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
-    # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) for every
-    # decoder projection; embeddings and the LM head stay float, and so do the checkpoint and its weights cache.
-    # On a CPU with cpu_packed_weights the int8 weights are packed for the C++ int8 matmul. None: off.
+    # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) or "int4"
+    # (groups of 128 inputs per output channel, symmetric or asymmetric per group; "int4-g64"/"int4-g32" for
+    # widths 128 does not divide) for every decoder projection;
+    # embeddings and the LM head stay float, and so do the checkpoint and its weights cache. On a CPU with
+    # cpu_packed_weights the weights are packed for the C++ int8 / 4-bit matmul. None: off.
     quantization: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
@@ -50,7 +52,7 @@ class EngineConfig:
     prompt_bucket_midpoints: bool = False
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
     # On a CPU with the C++ kernels (attention_backend "auto" or "cpp"), one device: float32 (or
-    # quantized int8) projection weights packed in 32-column panels at load and multiplied by the C++ matmul
+    # quantized int8/int4) projection weights packed in 32-column panels at load and multiplied by the C++ matmul
     # kernel, 1.3-1.55x faster than XLA:CPU's dots at decode steps' 8-64 rows (bfloat16 weights
     # keep XLA's dots, see llama.PACKED_DTYPES). False: XLA's dots.
     cpu_packed_weights: bool = True

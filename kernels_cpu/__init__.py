@@ -6,7 +6,8 @@
   and keys only.
 - A matmul over weights packed in 32-column panels (`packed_matmul.cc`, `matmul.py`): the
   skinny projections of decode steps stream the weights at the machine's rate, which XLA:CPU's
-  dots do not. int8 panels with float32 scales (quantization="int8") stream a quarter of the bytes.
+  dots do not. int8 panels with float32 scales (quantization="int8") stream a quarter of the bytes,
+  4-bit nibble panels with group scales and mins (`quant4.py`: int4, GGUF Q4_0/Q4_1/Q4_K) an eighth.
 
 Both are compiled into one library, once per machine, with the system's C++ compiler into a
 cache folder (`build.py`) and registered with XLA as FFI targets (`registry.py`); where they cannot

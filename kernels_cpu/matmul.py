@@ -7,7 +7,10 @@ odd K), the pairs the bf16 dot instruction multiplies; x is then rounded to bflo
 products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) does. Only widths
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
 float32 scales [N]) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and the
-kernel widens it to float32 in registers: a quarter of float32's bytes to stream.
+kernel widens it to float32 in registers: a quarter of float32's bytes to stream. 4-bit nibbles u8
+[K / 2, N] (kernels_cpu/quant4.py, with float32 scales and mins [K / G, N]) pack the same way, as
+[ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c at k = 2s (low nibble) and 2s + 1 (high),
+an eighth of float32's bytes.
 """
 
 from __future__ import annotations
@@ -15,36 +18,40 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Float, Int8, UInt8
 
 from kernels_cpu.quant import int8_matmul
+from kernels_cpu.quant4 import int4_matmul
 from kernels_cpu.registry import target
 
 PANEL = 32  # columns per panel
 LAYOUT = "packed-1"  # the packed layout's name in the weights cache: a new one for any change to pack_weight
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
-           jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8"}
+           jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
+QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded
 
 
 def packable(shape: tuple[int, ...], dtype: np.dtype | jnp.dtype) -> bool:
     """Whether a [K, N] weight of this shape and dtype can be packed for the kernel (float32 or
-    bfloat16 with N a multiple of 32; int8 of any N)."""
+    bfloat16 with N a multiple of 32; int8 or 4-bit nibbles of any N)."""
     return (len(shape) == 2 and shape[1] > 0 and jnp.dtype(dtype) in TARGETS
-            and (shape[1] % PANEL == 0 or jnp.dtype(dtype) == jnp.int8))
+            and (shape[1] % PANEL == 0 or jnp.dtype(dtype) in QUANTIZED))
 
 
-def pack_weight(w: Float[np.ndarray, "k n"] | Int8[np.ndarray, "k n"]) -> Float[np.ndarray, "panels steps width"]:
-    """[K, N] -> [N / 32, K, 32] (float32), [ceil(N / 32), K, 32] (int8, zero columns after N) or
-    [N / 32, ceil(K / 2), 64] (bfloat16), contiguous (a host copy)."""
+def pack_weight(
+    w: Float[np.ndarray, "k n"] | Int8[np.ndarray, "k n"] | UInt8[np.ndarray, "k2 n"],
+) -> Float[np.ndarray, "panels steps width"]:
+    """[K, N] -> [N / 32, K, 32] (float32), [ceil(N / 32), K, 32] (int8, zero columns after N; 4-bit
+    nibbles [K / 2, N] alike) or [N / 32, ceil(K / 2), 64] (bfloat16), contiguous (a host copy)."""
     if not packable(w.shape, w.dtype):
         raise ValueError(
-            f"pack_weight takes an int8 [K, N] weight, or a float32 or bfloat16 one with N a multiple of {PANEL}, "
+            f"pack_weight takes an int8 [K, N] weight, uint8 4-bit nibbles, or a float32 or bfloat16 one with N a multiple of {PANEL}, "
             f"got {w.dtype} {w.shape}"
         )
     w = np.asarray(w)
     k, n = w.shape
     if w.dtype != jnp.bfloat16:
-        w = np.pad(w, ((0, 0), (0, -n % PANEL)))  # int8 only: float widths are whole panels
+        w = np.pad(w, ((0, 0), (0, -n % PANEL)))  # int8/4-bit only: float widths are whole panels
         return np.ascontiguousarray(w.reshape(k, -1, PANEL).transpose(1, 0, 2))
     pairs = np.concatenate([w, np.zeros((k % 2, n), w.dtype)]).reshape(-1, 2, n // PANEL, PANEL)
     return np.ascontiguousarray(pairs.transpose(2, 0, 3, 1)).reshape(n // PANEL, -1, 2 * PANEL)
@@ -60,9 +67,13 @@ def unpack_weight(packed: Float[Array, "panels steps width"], k: int | None = No
 
 
 def packed_matmul_reference(
-    x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, " n"] | None = None,
+    x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
+    mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
-    """x @ w from the packed w (int8: with its scales, x @ (q * scales)), in jnp (any platform): what the kernel computes."""
+    """x @ w from the packed w (int8: with its scales, x @ (q * scales); 4-bit: scales and mins [K / G, N],
+    x @ (q * scales + mins) by groups), in jnp (any platform): what the kernel computes."""
+    if packed.dtype == jnp.uint8:
+        return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     if packed.dtype == jnp.int8:
         return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[0]), scales)
     w = unpack_weight(packed, x.shape[-1])
@@ -70,25 +81,30 @@ def packed_matmul_reference(
 
 
 def packed_matmul_cpu(
-    x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, " n"] | None = None,
+    x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
+    mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
-    its float32 scales [N] (w = q * scales per column), which also give N."""
-    int8 = packed.dtype == jnp.int8
+    its float32 scales [N] (w = q * scales per column), which also give N; 4-bit nibble panels take
+    scales and mins [K / G, N] (w = q * scales + mins per group of G inputs)."""
+    dtype = jnp.dtype(packed.dtype)
+    expected_scales = {jnp.dtype(jnp.int8): 1, jnp.dtype(jnp.uint8): 2}.get(dtype)  # scales' rank, None: no scales
+    per_step = 2 if dtype in (jnp.bfloat16, jnp.uint8) else 1  # k per step of a panel
     if (
-        packed.ndim != 3 or jnp.dtype(packed.dtype) not in TARGETS
-        or packed.shape[2] != PANEL * (2 if packed.dtype == jnp.bfloat16 else 1)
-        or -(-x.shape[-1] // (packed.shape[2] // PANEL)) != packed.shape[1]
-        or int8 != (scales is not None) or (int8 and (scales.ndim != 1 or -(-scales.shape[0] // PANEL) != packed.shape[0]))
+        packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
+        or -(-x.shape[-1] // per_step) != packed.shape[1]
+        or (scales is None) != (expected_scales is None) or (mins is None) != (dtype != jnp.uint8)
+        or (scales is not None and (scales.ndim != expected_scales or -(-scales.shape[-1] // PANEL) != packed.shape[0]))
+        or (mins is not None and mins.shape != scales.shape)
     ):
         raise ValueError(
-            f"packed_matmul_cpu: x {x.shape} does not match a packed weight {packed.dtype} {packed.shape} with scales "
-            f"{None if scales is None else scales.shape} (float32 [N / {PANEL}, K, {PANEL}] or bfloat16 "
-            f"[N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 [ceil(N / {PANEL}), K, {PANEL}] with scales [N])"
+            f"packed_matmul_cpu: x {x.shape} does not match a packed weight {dtype} {packed.shape} with scales "
+            f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape} (float32 "
+            f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
+            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N]; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
+            f"and mins [K / G, N])"
         )
-    n = scales.shape[0] if int8 else packed.shape[0] * PANEL
+    n = packed.shape[0] * PANEL if scales is None else scales.shape[-1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
-    operands = (packed, scales.astype(jnp.float32)) if int8 else (packed,)
-    return jax.ffi.ffi_call(target(TARGETS[jnp.dtype(packed.dtype)]), out)(x.astype(jnp.float32), *operands)
-
-
+    operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)
+    return jax.ffi.ffi_call(target(TARGETS[dtype]), out)(x.astype(jnp.float32), packed, *operands)

@@ -168,14 +168,13 @@ void pass(const typename Tag::X* x, const typename Tag::W* panel, const float* s
 }
 #endif
 
-// The rows left after the full passes, in one pass of exactly that many (each count its own
-// unrolled loop).
-template <typename Tag, int R = kRows>
-void tail(const typename Tag::X* x, const typename Tag::W* panel, const float* scales, float* y, int64_t steps,
-          int64_t ldy, int64_t width, int64_t rows) {
+// fn(std::integral_constant<int, r>) for the rows left after the full passes: one pass of exactly
+// that many (each count its own unrolled loop).
+template <int R, typename Fn>
+void with_rows(int64_t rows, Fn fn) {
   if constexpr (R > 0) {
-    if (rows == R) return pass<R, Tag>(x, panel, scales, y, steps, ldy, width);
-    tail<Tag, R - 1>(x, panel, scales, y, steps, ldy, width, rows);
+    if (rows == R) return fn(std::integral_constant<int, R>{});
+    with_rows<R - 1>(rows, fn);
   }
 }
 
@@ -189,7 +188,10 @@ void panel_product(const typename Tag::X* x, const typename Tag::W* w, const flo
   int64_t m = 0;
   for (; m + kRows <= rows; m += kRows)
     pass<kRows, Tag>(x + m * steps, panel, panel_scales, y + m * N + p * kPanel, steps, N, width);
-  if (m < rows) tail<Tag>(x + m * steps, panel, panel_scales, y + m * N + p * kPanel, steps, N, width, rows - m);
+  if (m < rows)
+    with_rows<kRows>(rows - m, [&](auto r) {
+      pass<r.value, Tag>(x + m * steps, panel, panel_scales, y + m * N + p * kPanel, steps, N, width);
+    });
 }
 
 // Panels shared out between the calling thread and XLA's intra-op threads.
@@ -264,6 +266,122 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+
+// ---- 4-bit groups: w[k, n] = scales[g, n] * q[k, n] + mins[g, n], q in 0..15, g = k / G ----
+// q as nibble panels u8 [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c's q at k = 2s
+// (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. Per row and group the kernel
+// sums x_k * q (q widened to f32 in registers) and adds scales * that sum + mins * (the group's sum of
+// x), so weights never exist as floats. The group sums of x are made once per call, in double.
+
+constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), beside 4 weight vectors
+
+#if defined(__AVX512F__)
+// Columns 16h..16h+15 of a step: their bytes widened to 32-bit lanes, the low nibbles (k = 2s) and the high ones
+// (2s + 1) as floats.
+inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+}
+
+// R rows of x (K apart; their group sums `groups` apart) times one nibble panel -> R x 32 outputs,
+// the first `width` at y (rows ldy apart), which holds the sum over the groups done so far: a group's
+// sums stay in registers and are added to y at its end. scales/mins point at the panel's first column (rows N apart).
+template <int R>
+void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
+             float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
+  const int64_t groups = K / group;
+  const __mmask16 low = width >= 16 ? 0xffff : (1u << width) - 1;
+  const __mmask16 high = width >= 32 ? 0xffff : width <= 16 ? 0 : (1u << (width - 16)) - 1;
+  const uint8_t* wp = panel;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * kPanel), _MM_HINT_T0);
+      __m512 lo0, hi0, lo1, hi1;
+      load_nibbles(wp, lo0, hi0);
+      load_nibbles(wp + 16, lo1, hi1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x0 = _mm512_set1_ps(x[r * K + k]), x1 = _mm512_set1_ps(x[r * K + k + 1]);
+        acc[r][0] = _mm512_fmadd_ps(x1, hi0, _mm512_fmadd_ps(x0, lo0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(x1, hi1, _mm512_fmadd_ps(x0, lo1, acc[r][1]));
+      }
+    }
+    const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
+    const __m512 m0 = _mm512_maskz_loadu_ps(low, mins + g * N), m1 = _mm512_maskz_loadu_ps(high, mins + g * N + 16);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + r * ldy;
+      const __m512 sum = _mm512_set1_ps(x_sums[r * groups + g]);
+      const __m512 t0 = g == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(low, out);
+      const __m512 t1 = g == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(high, out + 16);
+      _mm512_mask_storeu_ps(out, low, _mm512_fmadd_ps(sum, m0, _mm512_fmadd_ps(acc[r][0], s0, t0)));
+      _mm512_mask_storeu_ps(out + 16, high, _mm512_fmadd_ps(sum, m1, _mm512_fmadd_ps(acc[r][1], s1, t1)));
+    }
+  }
+}
+#else
+template <int R>
+void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
+             float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
+  const int64_t groups = K / group;
+  float total[R][kPanel] = {};
+  const uint8_t* wp = panel;
+  for (int64_t g = 0; g < groups; ++g) {
+    float acc[R][kPanel] = {};
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel)
+      for (int r = 0; r < R; ++r) {
+        const float x0 = x[r * K + k], x1 = x[r * K + k + 1];
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * float(wp[c] & 0x0f) + x1 * float(wp[c] >> 4);
+      }
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < width; ++c)
+        total[r][c] += acc[r][c] * scales[g * N + c] + x_sums[r * groups + g] * mins[g * N + c];
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, total[r], width * sizeof(float));
+}
+#endif
+
+ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  const auto sd = scales.dimensions(), wd = w.dimensions(), xd = x.dimensions();
+  if (sd.size() != 2 || mins.dimensions().size() != 2 || mins.dimensions()[0] != sd[0] || mins.dimensions()[1] != sd[1])
+    return ffi::Error::InvalidArgument("cbjax packed matmul: 4-bit scales and mins must both be [K / G, N]");
+  const int64_t groups = sd[0], N = sd[1];
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel || wd[0] != (N + kPanel - 1) / kPanel)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: 4-bit w must be u8 [ceil(N / 32), K / 2, 32]");
+  const int64_t K = xd.back();
+  if (2 * wd[1] != K || groups == 0 || K % groups != 0 || (K / groups) % 2 != 0 ||
+      y->element_count() * K != x.element_count() * N)
+    return ffi::Error::InvalidArgument(
+        "cbjax packed matmul: 4-bit x's last dim must be 2 x w's K / 2, an even group size G = K / groups, y [rows, N]");
+  const int64_t rows = K == 0 ? 0 : x.element_count() / K, group = K / groups;
+  if (rows == 0 || N == 0) return ffi::Error::Success();
+  std::vector<float> x_sums(rows * groups);  // outlives the helpers' reads: the caller waits for every panel
+  const float* xp = x.typed_data();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      double sum = 0.0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xp[r * K + k];
+      x_sums[r * groups + g] = static_cast<float>(sum);
+    }
+  const uint8_t* q = w.typed_data();
+  const float *s = scales.typed_data(), *m = mins.typed_data(), *xs = x_sums.data();
+  float* out = y->typed_data();
+  cbjax_kernels::share_out(pool, wd[0], [=](int64_t p) {
+    const uint8_t* panel = q + p * (K / 2) * kPanel;
+    const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
+    int64_t r = 0;
+    for (; r + kRowsQ4 <= rows; r += kRowsQ4)
+      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
+    if (r < rows)
+      with_rows<kRowsQ4>(rows - r, [&](auto n) {
+        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
+      });
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulF32, matmul_f32,
@@ -283,5 +401,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8, matmul_i8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulQ4, matmul_q4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

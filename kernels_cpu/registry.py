@@ -33,6 +33,7 @@ SYMBOLS = (
     "CbjaxPackedMatmulF32",
     "CbjaxPackedMatmulBF16",
     "CbjaxPackedMatmulI8",
+    "CbjaxPackedMatmulQ4",
 )
 
 _lock = threading.Lock()  # held while the library is built and registered

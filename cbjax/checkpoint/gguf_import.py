@@ -12,6 +12,9 @@ The directory holds what `transformers` and `cbjax convert` read:
 
 Weights are dequantized and written one tensor at a time, so memory stays
 bounded by the largest tensor, not the model.
+
+`write_as_stored_dir` writes the same directory without weights, with a link to the file: the loader
+then reads its tensors as stored (cbjax/checkpoint/gguf_params.py), `LLM(model="file.gguf")`'s way.
 """
 
 import json
@@ -46,9 +49,29 @@ _LLAMA3_SPLIT = (
 )
 
 
+# The link to the GGUF file in a directory that serves its weights as stored (write_as_stored_dir).
+GGUF_FILE = "model.gguf"
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write the Hugging Face directory for `gguf_path` into `out_dir` and return `out_dir`."""
     reader = GGUFReader(gguf_path)
+    config, names = _write_description(reader, gguf_path, out_dir)
+    _write_weights(reader, config, names, Path(out_dir), max_shard_bytes)
+    return Path(out_dir)
+
+
+def write_as_stored_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write `out_dir` for serving `gguf_path` as stored: config.json, generation_config.json and the
+    tokenizer files from its metadata, and GGUF_FILE, a link to the file, whose tensors the loader reads
+    (cbjax/checkpoint/gguf_params.py); no weights are written."""
+    _write_description(GGUFReader(gguf_path), gguf_path, out_dir)
+    (Path(out_dir) / GGUF_FILE).symlink_to(Path(gguf_path).resolve())
+    return Path(out_dir)
+
+
+def _write_description(reader: GGUFReader, gguf_path: str | Path, out_dir: str | Path) -> tuple[dict, GGUFNames]:
+    """config.json, generation_config.json and the tokenizer files into `out_dir`; the config and tensor names."""
     metadata = read_metadata(reader)
     names = gguf_names(metadata, gguf_path)
     # Everything that can refuse the file runs before the first byte is written.
@@ -57,11 +80,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, max_shard_bytes: int
     check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"], names)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_weights(reader, config, names, out_dir, max_shard_bytes)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     _write_tokenizer_files(tokenizer, metadata, out_dir)
-    return out_dir
+    return config, names
 
 
 def import_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -193,6 +215,11 @@ def check_tensors(gguf_names: list[str], num_layers: int, names: GGUFNames) -> N
         )
 
 
+def rope_heads(gguf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The heads whose rows llama.cpp interleaved in a Q or K projection (None for any other tensor)."""
+    return {"attn_q.weight": num_heads, "attn_k.weight": num_kv_heads}.get(gguf_name.split(".", 2)[-1])
+
+
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of Q/K (it rotates pairs (2i, 2i+1); HF rotates halves)."""
     rows = weight.shape[0]
@@ -203,7 +230,6 @@ def _write_weights(reader: GGUFReader, config: dict, gguf: GGUFNames, out_dir: P
     # GGUF lists dimensions fastest-first; reversed, they are the HF [out, in] shape that dequantize returns.
     names = [hf_tensor_name(tensor.name, gguf) for tensor in reader.tensors]
     shapes = [tuple(int(d) for d in reversed(tensor.shape)) for tensor in reader.tensors]
-    rope_heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     shards = _plan_shards([4 * math.prod(shape) for shape in shapes], max_shard_bytes)
     progress = tqdm(total=len(names), desc="dequantizing GGUF tensors", unit="tensor")
 
@@ -211,7 +237,7 @@ def _write_weights(reader: GGUFReader, config: dict, gguf: GGUFNames, out_dir: P
         for index in shard:
             tensor = reader.tensors[index]
             weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shapes[index])
-            num_heads = rope_heads.get(tensor.name.split(".", 2)[-1])
+            num_heads = rope_heads(tensor.name, config["num_attention_heads"], config["num_key_value_heads"])
             yield weight if num_heads is None else unpermute_rope_rows(weight, num_heads)
             progress.update()
 

@@ -14,11 +14,13 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
+from cbjax.checkpoint.gguf_import import GGUF_FILE
+from cbjax.checkpoint.gguf_params import check_as_stored, read_gguf_params
 from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.layers.linear import fuse_projections, pack_linears, quantize_linears
+from cbjax.models.layers.linear import declare_stored_4bit, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 logger = logging.getLogger(__name__)
@@ -41,8 +43,9 @@ def load_model(
     tensor_parallel: ShardedPlacement | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
     quantization: str | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
-    """Load a converted checkpoint (params/ + config.json), or an HF safetensors directory directly,
-    into the class of its architecture's registry entry.
+    """Load a converted checkpoint (params/ + config.json), an HF safetensors directory directly, or a
+    GGUF file's directory (resolve.py: its 4-bit projections as stored, see gguf_params.py), into the
+    class of its architecture's registry entry.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
     activation_dtype: see models.llama.LlamaForCausalLM (None: the same as the weights).
@@ -65,7 +68,12 @@ def load_model(
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
     # Quantized projections are packed after quantizing (int8 panels), not as floats here.
     arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None)
-    if (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
+    if (ckpt_dir / GGUF_FILE).exists():
+        check_as_stored(ckpt_dir, quantization, tensor_parallel is not None)
+        params = read_gguf_params(ckpt_dir / GGUF_FILE, config, model_dtype)
+        if arrange is not None:
+            params = arrange[1](params)
+    elif (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
         params = cached_weights(  # a memory-mapped copy after the first load (see weights_cache.py)
             ckpt_dir / PARAMS_DIR, model_dtype, expected,
             lambda: _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None),
@@ -157,11 +165,12 @@ def _fill_model(
     released once it is on device, so at most one extra tensor is alive beyond one model copy.
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
     default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy.
-    Each tensor is cast to its variable's dtype: `dtype`, or int8 kernels and float32 scales where quantized."""
-    graphdef, abstract_state = nnx.split(
+    Each tensor is cast to its variable's dtype: `dtype`, or int8 kernels and float32 scales where quantized
+    (4-bit kernels with scales and mins where `params` holds them so: declare_stored_4bit)."""
+    graphdef, abstract_state = nnx.split(declare_stored_4bit(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
-                       fused_projections, quantization)
-    )
+                       fused_projections, quantization), params
+    ))
     filled = [
         (path, variable.replace(
             place(param_name(path), params.pop(param_name(path)).astype(variable.dtype, copy=False))

@@ -1,5 +1,6 @@
 """Which local checkpoint a model argument names: a converted directory as is, a Hugging Face
-directory converted once into the cache folder, or (no argument) the built-in SmolLM2."""
+directory converted once into the cache folder, a GGUF file served as stored (its config and tokenizer
+written once into the cache folder beside a link to it), or (no argument) the built-in SmolLM2."""
 
 from __future__ import annotations
 
@@ -31,11 +32,8 @@ def resolve_model(model: str | None) -> Path:
             f"model directory {model!r} holds neither a converted checkpoint (params/ + config.json) nor a "
             "Hugging Face checkpoint (config.json + *.safetensors); point it at one of those"
         )
-    if path.suffix == ".gguf":
-        raise ValueError(
-            f"model {model!r} is a GGUF file; cbjax loads directories. Prepare one with: "
-            f"cbjax import-gguf {model} HF_DIR && cbjax convert HF_DIR --out CKPT_DIR, then pass CKPT_DIR"
-        )
+    if path.suffix == ".gguf" and path.is_file():
+        return _as_stored_dir(path)
     parts = model.split("/")
     if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
         raise ValueError(
@@ -44,7 +42,7 @@ def resolve_model(model: str | None) -> Path:
             f"{model} --local-dir HF_DIR`), then pass HF_DIR (converted once and cached) or run "
             "`cbjax convert HF_DIR --out CKPT_DIR` and pass CKPT_DIR"
         )
-    raise ValueError(f"model {model!r} does not exist; pass a converted checkpoint or Hugging Face directory")
+    raise ValueError(f"model {model!r} does not exist; pass a converted checkpoint or Hugging Face directory, or a GGUF file")
 
 
 def builtin_model() -> Path:
@@ -61,11 +59,28 @@ def builtin_model() -> Path:
         return _convert_into(hf_dir, target)
 
 
+def _as_stored_dir(gguf_path: Path) -> Path:
+    """The cached directory that serves `gguf_path` as stored (gguf_import.write_as_stored_dir), written once."""
+    from cbjax.checkpoint.gguf_import import GGUF_FILE, write_as_stored_dir
+
+    target = _cache_slot(gguf_path)
+    if (target / GGUF_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # renamed when whole, as _convert_into does
+        shutil.move(str(write_as_stored_dir(gguf_path, Path(scratch) / "gguf")), target)
+    return target
+
+
+def _cache_slot(source_path: Path) -> Path:
+    """One cache folder per source file or directory: its name plus a hash of its absolute path."""
+    digest = hashlib.sha256(str(source_path.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{source_path.resolve().name.lower()}-{digest}"
+
+
 def _converted_copy(hf_dir: Path) -> Path:
-    # One converted copy per source directory: its name plus a hash of its absolute path.
     source = str(hf_dir.resolve())
-    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{hf_dir.resolve().name.lower()}-{digest}"
+    target = _cache_slot(hf_dir)
     if (target / PARAMS_DIR).is_dir():
         logger.info("using %s, converted from %s earlier", target, source)
         return target

@@ -1,6 +1,9 @@
 """The README's main job: answer a batch of varied prompts with continuous batching.
 
-    python -m cbjax.entrypoints.demo --model checkpoints/smollm2-135m-instruct
+    python -m cbjax.entrypoints.demo --model downloads/SmolLM2-135M-Instruct.Q4_1.gguf
+
+The built-in model's GGUF file is served as stored (4-bit projections); a converted checkpoint
+(`--model checkpoints/smollm2-135m-instruct`, scripts/fetch_model.sh) serves the float32 weights.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ PLAIN_PROMPTS = [
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--model", default="downloads/SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)

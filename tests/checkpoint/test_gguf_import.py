@@ -112,7 +112,8 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama", add_bos: bool = False,
-                          pre: str = "smollm", skip_tensor: str | None = None) -> dict[str, np.ndarray]:
+                          pre: str = "smollm", skip_tensor: str | None = None,
+                          quant_types: dict[str, GGMLQuantizationType] = QUANT_TYPES) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF from random HF weights; returns the weights a correct import gives back
     (the HF originals, passed through the same quantize/dequantize the file holds)."""
     tokens, merges = train_tiny_bpe()
@@ -151,7 +152,7 @@ def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama
         stored = weight
         if kind in ("attn_q.weight", "attn_k.weight"):
             stored = llama_cpp_permute(weight, HEADS if kind == "attn_q.weight" else KV_HEADS)
-        qtype = QUANT_TYPES.get(kind, GGMLQuantizationType.F32)
+        qtype = quant_types.get(kind, GGMLQuantizationType.F32)
         data = quantize(stored, qtype)
         writer.add_tensor(name, data, raw_dtype=qtype)
         # The importer's answer: the HF layout of exactly what the file holds.

@@ -1,12 +1,14 @@
 """What a model argument names: converted dirs as they are, HF dirs converted once into the cache,
-clear errors for Hub ids and GGUF files (there is no download)."""
+GGUF files described once into the cache (served as stored), clear errors for Hub ids and missing files
+(there is no download)."""
 
 from __future__ import annotations
 
 import pytest
+from test_gguf_import import write_tiny_llama_gguf
 from tiny_checkpoint import make_tiny_checkpoint
 
-from cbjax.checkpoint import convert, resolve
+from cbjax.checkpoint import convert, gguf_import, resolve
 from cbjax.checkpoint.loader import load_model
 
 
@@ -36,7 +38,7 @@ def test_hf_directory_is_converted_once_into_the_cache_and_reused(tmp_path, cach
     ("model", "words"),
     [
         ("HuggingFaceTB/SmolLM2-135M-Instruct", ["Hub id", "does not download", "cbjax convert"]),
-        ("model.Q4_1.gguf", ["GGUF", "cbjax import-gguf", "cbjax convert"]),
+        ("model.Q4_1.gguf", ["does not exist", "GGUF file"]),
         ("./no/such/dir", ["does not exist"]),
     ],
 )
@@ -44,6 +46,19 @@ def test_arguments_that_name_no_local_directory_say_how_to_prepare_one(model, wo
     with pytest.raises(ValueError) as error:
         resolve.resolve_model(model)
     assert model in str(error.value) and all(word in str(error.value) for word in words)
+
+
+def test_a_gguf_file_is_described_once_into_the_cache_and_served_from_its_link(tmp_path, cache, monkeypatch):
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    described = resolve.resolve_model(str(tmp_path / "tiny.gguf"))
+    assert described.parent == cache / "models" and (described / "model.gguf").resolve() == tmp_path / "tiny.gguf"
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in described.iterdir()}
+
+    def no_second_description(*args):
+        raise AssertionError("described again")
+
+    monkeypatch.setattr(gguf_import, "write_as_stored_dir", no_second_description)
+    assert resolve.resolve_model(str(tmp_path / "tiny.gguf")) == described
 
 
 def test_a_directory_without_weights_is_refused(tmp_path, cache):

@@ -46,7 +46,7 @@ def test_vllm_sampling_option_at_its_default_changes_nothing():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"quantization": "awq"}, r"quantization='awq' is not supported; use one of \('int8',\) or None"),
+    ({"quantization": "awq"}, r"quantization='awq' is not supported; use one of \('int8', 'int4', 'int4-g64', 'int4-g32'\) or None"),
     ({"kv_cache_dtype": "fp8_e5m2"}, r"kv_cache_dtype='fp8_e5m2' is not supported; use one of 'auto', 'float32', "
                                      r"'bfloat16', 'float16', 'fp8', 'fp8_e4m3'"),
     ({"trust_remote_code": True}, r"LLM\(trust_remote_code=True\) is a vLLM option that cbjax does not support"),

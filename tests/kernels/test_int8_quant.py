@@ -59,7 +59,7 @@ def test_already_quantized_and_unknown_names_are_refused():
     q, _ = quantize_int8(np.ones((4, 4), np.float32))
     with pytest.raises(ValueError, match="int8.*already quantized"):
         quantize_int8(q)
-    with pytest.raises(ValueError, match=r"'fp4'.*\('int8',\)"):
+    with pytest.raises(ValueError, match=r"'fp4'.*\('int8', 'int4', 'int4-g64', 'int4-g32'\)"):
         check_quantization("fp4")
     check_quantization(None)
     check_quantization("int8")

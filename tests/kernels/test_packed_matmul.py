@@ -24,6 +24,7 @@ from cbjax.checkpoint import convert_checkpoint, load_model
 from cbjax.checkpoint.weights_cache import DISABLE_ENV
 from kernels_cpu import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
 from kernels_cpu.quant import quantize_int8
+from kernels_cpu.quant4 import dequantize_int4, quantize_int4
 from cbjax.models.layers.attention import AttentionPlan
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
@@ -109,7 +110,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
-    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 panels too."""
+    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 and 4-bit panels too."""
     import kernels_cpu.build as kernel_build
 
     if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
@@ -134,21 +135,35 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(q), scales)
         assert_product(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), k)
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
+                                platform="cpu")
+    for rows, k, n in [(1, 64, 31), (9, 576, 96), (6, 128, 40)]:
+        x, w, _ = product(np.random.default_rng(rows), rows, k, n)
+        nibbles, scales, mins = quantize_int4(w, group_size=32)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(nibbles), scales, mins)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins), rtol=1e-4, atol=1e-4)
 
 
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
     """One prompt through the model in one step (pools of one page per 16 tokens), logits at every position."""
+    return np.asarray(model_logits(model, jnp.array(token_ids), backend))
+
+
+def model_logits(model, token_ids: jax.Array, backend: str) -> jax.Array:
+    """forward_logits as a jax function of the tokens (jit it with backend static)."""
     from kernels_pallas import AttentionMetadata
     from cbjax.models.layers.kv_pool import init_kv_pool
 
     n = len(token_ids)
-    caches = init_kv_pool(model.config, 4, 16, jnp.float32)
+    pages = max(2, -(-n // 16))
+    caches = init_kv_pool(model.config, pages + 2, 16, jnp.float32)
     metadata = AttentionMetadata(
         slot_mapping=jnp.arange(16, 16 + n, dtype=jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
-        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.array([[1, 2]], jnp.int32),
+        seq_lens=jnp.array([n], jnp.int32), block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
     )
-    logits, _ = model(jnp.array(token_ids), jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
-    return np.asarray(logits)
+    logits, _ = model(token_ids, jnp.arange(n), caches, metadata, jnp.arange(n), AttentionPlan(backend))
+    return logits
 
 
 @pytest.mark.parametrize("backend", ["cpp", "xla"])

@@ -36,3 +36,11 @@ def test_int8_linear_is_within_half_a_scale_of_the_float_layer():
 def test_unknown_quantization_is_refused_by_name():
     with pytest.raises(ValueError, match="'int3'"):
         quantize_linears({}, "int3")
+
+
+def test_an_int4_group_that_does_not_divide_a_width_is_refused_naming_the_names_that_fit():
+    with pytest.raises(ValueError, match=r"quantization='int4' quantizes groups of 128 inputs, which do not divide the "
+                                         r"576 inputs of model.layers.0.mlp.down_proj.kernel; .*\['int4-g64', 'int4-g32'\]"):
+        quantize_linears({"model.layers.0.mlp.down_proj.kernel": np.zeros((576, 8), np.float32)}, "int4")
+    params = quantize_linears({"model.layers.0.mlp.down_proj.kernel": np.zeros((576, 8), np.float32)}, "int4-g64")
+    assert params["model.layers.0.mlp.down_proj.mins"].shape == (576 // 64, 8)

@@ -3,22 +3,30 @@ checkpoint rearrangements done at load (fused q/k/v and gate/up, packed kernels)
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
-from cbjax.quantization import check_quantization
+from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
 from kernels_cpu.quant import int8_matmul, quantize_int8
+from kernels_cpu.quant4 import int4_matmul, quantize_int4
+
+# A quantized kernel's dtype -> the parameters beside it and its unpacked product: int8 q [in, out] with
+# scales [out]; 4-bit nibbles [in / 2, out] with scales and mins [in / G, out] (GGUF's 4-bit tensors too).
+QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): (("scales",), int8_matmul),
+                     jnp.dtype(jnp.uint8): (("scales", "mins"), int4_matmul)}
 
 
 class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
     `pack_linears`, or int8 panels by `quantize_linears`): then the product is the C++ kernel's where
     the plan runs the C++ kernels, else its jnp reference. An int8 kernel (with `scales` [out] set by
-    `quantize_linears`) is multiplied as (x @ q) * scales. An unpacked float kernel ([in, out]) is
+    `quantize_linears`) is multiplied as (x @ q) * scales, a 4-bit one (uint8 nibbles with `scales` and
+    `mins`) group by group (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is
     nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
     to the product."""
 
@@ -30,14 +38,15 @@ class Linear(nnx.Linear):
 
     def base_product(self, x: Float[Array, "... in"], plan: AttentionPlan) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
-        scales = self.scales[...] if kernel.dtype == jnp.int8 else None
-        if scales is not None and kernel.ndim == 2:
+        leaves, unpacked_product = QUANTIZED_KERNELS.get(kernel.dtype, ((), None))
+        quantized = [getattr(self, leaf)[...] for leaf in leaves]
+        if quantized and kernel.ndim == 2:
             # The float32 product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
-            y = int8_matmul(x, kernel, scales).astype(self.preferred_element_type or x.dtype)
+            y = unpacked_product(x, kernel, *quantized).astype(self.preferred_element_type or x.dtype)
             return y if self.bias is None else y + self.bias[...]
         if kernel.ndim == 2:
             return super().__call__(x)
-        y = packed_matmul_cpu(x, kernel, scales) if plan.backend == "cpp" else packed_matmul_reference(x, kernel, scales)
+        y = packed_matmul_cpu(x, kernel, *quantized) if plan.backend == "cpp" else packed_matmul_reference(x, kernel, *quantized)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -51,12 +60,14 @@ PACKED_DTYPES = (jnp.dtype(jnp.float32),)
 def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
     matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
-    allows; the LM head and embeddings as they are. The cast comes first, so the layout is the
+    allows, 4-bit nibbles (kept as stored) into nibble panels; the LM head and embeddings as they are. The cast comes first, so the layout is the
     served dtype's. One tensor at a time: each packed copy replaces its original."""
     if jnp.dtype(dtype) not in PACKED_DTYPES:
         return params
     for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
+        if ".layers." in name and name.endswith("_proj.kernel") and params[name].dtype == jnp.uint8:
+            params[name] = pack_weight(params.pop(name))  # 4-bit as stored (a GGUF file's): nibble panels
+        elif ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
@@ -68,8 +79,9 @@ def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
 
 
 def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pack: bool = False) -> dict[str, np.ndarray]:
-    """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant):
-    `...kernel` int8 and `...scales` [out] float32 beside it; with `pack`, the int8 kernel packed in
+    """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant,
+    quant4): "int8" `...kernel` int8 and `...scales` [out] float32 beside it; "int4" `...kernel` uint8
+    nibbles [in / 2, out] and `...scales`, `...mins` [in / G, out] (G 128, or the name's "-gG"). With `pack`, the kernel is packed in
     32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
     stay in the activation dtype (their rows are gathered, and the head's error lands on every logit).
     Run on the float weights at load, after fuse_projections (a fused kernel's columns keep their own
@@ -79,22 +91,55 @@ def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pa
         return params
     for name in list(params):
         if is_quantized_projection(name, params[name].shape):
-            q, params[name.removesuffix("kernel") + "scales"] = quantize_int8(params.pop(name))
+            if quantization != "int8":
+                check_int4_group(quantization, name, params[name].shape[0])
+            weight = params.pop(name)
+            q, *beside = quantize_int8(weight) if quantization == "int8" else quantize_int4(weight, int4_group_size(quantization))
+            params.update(zip((name.removesuffix("kernel") + leaf for leaf in ("scales", "mins")), beside))
             params[name] = pack_weight(q) if pack else q
     return params
 
 
+def check_int4_group(quantization: str, name: str, k: int) -> None:
+    """Raise naming the group, the width and the names that fit unless the group divides `k` inputs."""
+    if k % int4_group_size(quantization):
+        raise ValueError(
+            f"quantization={quantization!r} quantizes groups of {int4_group_size(quantization)} inputs, which do not "
+            f"divide the {k} inputs of {name}; use one whose group divides {k}: {int4_groups_dividing(k) or 'none'}"
+        )
+
+
+def quantized_leaves(quantization: str, k: int, n: int) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """The (shape, dtype) of each parameter quantize_linears makes of an unpacked [k, n] kernel, by leaf name."""
+    if quantization == "int8":
+        return {"kernel": ((k, n), jnp.int8), "scales": ((n,), jnp.float32)}
+    check_int4_group(quantization, "a projection", k)
+    groups = (k // int4_group_size(quantization), n)
+    return {"kernel": ((k // 2, n), jnp.uint8), "scales": (groups, jnp.float32), "mins": (groups, jnp.float32)}
+
+
+def declare_stored_4bit(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Module:
+    """`model` (abstract) with each projection that `params` holds in 4-bit form (a `...mins` beside
+    its kernel, as a GGUF file's Q4 tensors are read) declared as those nibbles, scales and mins."""
+    for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
+        prefix = "".join(f"{key}." for key in path)
+        if isinstance(module, Linear) and prefix + "mins" in params:
+            for leaf in ("kernel", "scales", "mins"):
+                setattr(module, leaf, nnx.Param(jax.ShapeDtypeStruct(params[prefix + leaf].shape, params[prefix + leaf].dtype)))
+    return model
+
+
 def declare_quantized(model: nnx.Module, quantization: str | None) -> nnx.Module:
-    """`model` with each projection that quantize_linears quantizes declared as an int8 kernel and
-    float32 `scales` [out], so its state has the quantized weights' names, shapes and dtypes (build
-    it under nnx.eval_shape to get shapes only)."""
+    """`model` with each projection that quantize_linears quantizes declared as its quantized kernel and
+    the float32 parameters beside it (quantized_leaves), so its state has the quantized weights' names,
+    shapes and dtypes (build it under nnx.eval_shape to get shapes only)."""
     check_quantization(quantization)
     if quantization is None:
         return model
     for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
         if isinstance(module, Linear) and is_quantized_projection(".".join(map(str, (*path, "kernel"))), module.kernel.shape):
-            module.kernel = nnx.Param(jnp.zeros(module.kernel.shape, jnp.int8))
-            module.scales = nnx.Param(jnp.ones(module.kernel.shape[1], jnp.float32))
+            for leaf, (shape, dtype) in quantized_leaves(quantization, *module.kernel.shape).items():
+                setattr(module, leaf, nnx.Param(jnp.zeros(shape, dtype)))
     return model
 
 
@@ -106,12 +151,12 @@ FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 
 def fuse_projections(params: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
     """`params` (checkpoint names, kernels [in, out]) with each layer's q/k/v and gate/up kernels
-    (and biases) concatenated along their output columns into the fused model's parameters. One
+    (and biases; 4-bit nibbles with their scales and mins) concatenated along their output columns into the fused model's parameters. One
     layer at a time: each fused copy replaces its parts."""
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
         for fused, parts in FUSED_PROJECTIONS.items():
-            for leaf, axis in (("kernel", 1), ("bias", 0)):
+            for leaf, axis in (("kernel", 1), ("bias", 0), ("scales", -1), ("mins", -1)):  # 4-bit: [groups, out]
                 names = [f"{prefix}{part}.{leaf}" for part in parts]
                 if all(name in params for name in names):
                     params[f"{prefix}{fused}.{leaf}"] = np.concatenate([params.pop(name) for name in names], axis=axis)

@@ -1,0 +1,145 @@
+"""GGUF files served as stored (cbjax/checkpoint/gguf_q4.py, gguf_params.py): 4-bit tensors keep their bits
+and compute what the `gguf` package's own dequantizer says they hold; the model they make computes what the
+dequantized float32 import (`cbjax import-gguf` + convert, an independent path) computes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from test_gguf_import import QUANT_TYPES, real_gguf_path, write_tiny_llama_gguf
+from test_packed_matmul import forward_logits, model_logits
+from tokenizers import Tokenizer
+
+from cbjax import LLM, SamplingParams
+from cbjax.checkpoint.convert import convert_checkpoint
+from cbjax.checkpoint.gguf_import import import_gguf, write_as_stored_dir
+from cbjax.checkpoint.gguf_params import _kept_as_stored
+from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
+from cbjax.checkpoint.loader import load_model
+from cbjax.entrypoints.demo import PLAIN_PROMPTS
+from kernels_cpu.quant4 import dequantize_int4
+
+SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct"
+# q/k/v and gate/up 4-bit (each fused kernel one form, types mixed inside one), o_proj 4-bit; the rest as before.
+AS_STORED_TYPES = {**QUANT_TYPES, "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q4_0,
+                   "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
+
+
+def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q4_K rows (the gguf package has no Q4_K quantizer): any bytes are a valid block once its two
+    float16 factors d and dmin are finite, so random bits with small random factors."""
+    blocks = rng.integers(0, 256, (rows * k // 256, 144), dtype=np.uint8)
+    blocks[:, 0:4] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_4bit_tensors_repack_to_what_ggufs_dequantizer_reads(qtype):
+    rng = np.random.default_rng()
+    out, k = 40, 512
+    data = q4_k_blocks(rng, out, k) if qtype == Q.Q4_K else quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
+    reference = dequantize(data, qtype).reshape(out, k).T.astype(np.float64)  # [in, out], as our kernels are
+    order = rng.permutation(out)
+    nibbles, scales, mins = gguf_q4_kernel(data, qtype, k, order)
+    assert nibbles.shape == (k // 2, out) and nibbles.dtype == np.uint8 and scales.shape == mins.shape == (k // 32, out)
+    # gguf rounds d * q (float32) once; the 4-bit form is exact in float64
+    np.testing.assert_allclose(dequantize_int4(nibbles, scales, mins), reference[:, order], rtol=2**-23, atol=1e-30)
+
+
+def test_a_fused_kernel_stays_4bit_only_if_all_its_parts_are():
+    """q/k/v (and gate/up) become one kernel with one form: a float k_proj makes its q and v dequantized too."""
+    layer = "model.layers.0."
+    slots = {"q": layer + "self_attn.q_proj.kernel", "k": layer + "self_attn.k_proj.kernel",
+             "v": layer + "self_attn.v_proj.kernel", "o": layer + "self_attn.o_proj.kernel",
+             "gate": layer + "mlp.gate_proj.kernel", "up": layer + "mlp.up_proj.kernel", "embd": "model.embed_tokens.embedding"}
+    types = {"q": Q.Q4_0, "k": Q.F16, "v": Q.Q4_K, "o": Q.Q4_1, "gate": Q.Q4_K, "up": Q.Q4_0, "embd": Q.Q4_0}
+    assert _kept_as_stored(types, slots) == {"o", "gate", "up"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(as-stored dir, the float checkpoint imported and converted from the same file)."""
+    root = tmp_path_factory.mktemp("as_stored")
+    write_tiny_llama_gguf(root / "tiny.gguf", quant_types=AS_STORED_TYPES)
+    return (write_as_stored_dir(root / "tiny.gguf", root / "stored"),
+            convert_checkpoint(import_gguf(root / "tiny.gguf", root / "hf"), root / "float"))
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
+def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
+    stored, imported = tiny_gguf
+    with caplog.at_level(logging.INFO, logger="cbjax.checkpoint.gguf_params"):
+        packed, _ = load_model(stored, pack_for_cpu=True, fused_projections=True)
+    assert ("12 projections kept 4-bit (6 Q4_0, 6 Q4_1); dequantized to float32 at load: 3 Q8_0 (token_embd.weight, "
+            "blk.0.ffn_down.weight, blk.1.ffn_down.weight); 5 F32 (output_norm.weight, ") in caplog.text
+    layer = packed.model.layers[0]
+    assert layer.self_attn.qkv_proj.kernel[...].dtype == np.uint8 and layer.mlp.down_proj.kernel[...].dtype == np.float32
+    unpacked, _ = load_model(stored, fused_projections=True)  # the jnp path (GPUs, cpu_packed_weights=False)
+    reference, _ = load_model(imported, pack_for_cpu=True, fused_projections=True)
+    tokens = list(np.random.default_rng(3).integers(3, 250, 30))
+    want = forward_logits(reference, tokens, "cpp")
+    for model in (packed, unpacked):
+        got = forward_logits(model, tokens, "cpp")
+        # float32 sums in another order, through layers of N(0, 1) weights: ~3e-5 of the largest logit; a wrong
+        # nibble, group or row order is off by whole units
+        np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_llm_serves_a_gguf_file_with_its_own_tokenizer_as_transformers_serves_its_import(
+        tiny_gguf, tmp_path, monkeypatch):
+    from kernels_cpu.build import cache_dir as kernel_cache
+
+    monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(kernel_cache()))  # the kernels already built, beside a fresh model cache
+    monkeypatch.setenv("CBJAX_CACHE_DIR", str(tmp_path))
+    gguf_file = tiny_gguf[0] / "model.gguf"
+    llm = LLM(str(gguf_file.resolve()), **ENGINE_OPTIONS)
+    hf_dir = gguf_file.resolve().parent / "hf"
+    text = "Once upon a time 12345"
+    prompts = [Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text).ids, *random_prompts(8, [5, 40], vocab=250)]
+    outputs = llm.generate([text, *({"prompt_token_ids": p} for p in prompts[1:])],
+                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert outputs[0].prompt_token_ids == prompts[0]  # the GGUF's tokenizer, rebuilt as the importer does
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_dir, p, 8) for p in prompts]
+
+
+def test_a_gguf_model_is_not_quantized_again(tiny_gguf):
+    with pytest.raises(ValueError, match="already quantized; quantization='int8' cannot quantize them again"):
+        load_model(tiny_gguf[0], quantization="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
+def test_smollm2_q4_1_as_stored_computes_its_float32_import():
+    """The built-in model's own file: the engine serving it as stored continues 8 prompts greedily for 64
+    tokens, and at every one of those positions the dequantized float32 import (scripts/fetch_model.sh:
+    import-gguf + convert) picks the same token (one forward pass each), so its greedy continuations are the
+    same; and the two models' logits agree to float32 accumulation."""
+    if real_gguf_path() is None or not (SMOLLM2_CHECKPOINT / "params").is_dir():
+        pytest.skip("SmolLM2 GGUF or its converted checkpoint missing (scripts/fetch_model.sh)")
+    llm = LLM(str(real_gguf_path()), **ENGINE_OPTIONS)
+    outputs = llm.generate(PLAIN_PROMPTS[:8], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                           use_tqdm=False)
+    reference, _ = load_model(SMOLLM2_CHECKPOINT, pack_for_cpu=True, fused_projections=True)
+    runner = llm.llm_engine.runner
+    as_stored = nnx.merge(runner.graphdef, jax.tree_util.tree_unflatten(runner._state_treedef, runner.weights))
+    tokens = list(outputs[0].prompt_token_ids) + list(outputs[0].outputs[0].token_ids)[:24]  # 32: forward_logits' pool
+    want = forward_logits(reference, tokens, "cpp")
+    np.testing.assert_allclose(forward_logits(as_stored, tokens, "cpp"), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    logits = nnx.jit(model_logits, static_argnums=2)
+    agreeing = 0
+    for output in outputs:  # padded to one length: one compile; causal, so the padding changes no earlier logit
+        tokens = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
+        picks = np.asarray(logits(reference, jnp.array(tokens + [0] * (96 - len(tokens))), "cpp"))[
+            len(output.prompt_token_ids) - 1 : len(tokens) - 1].argmax(-1)
+        agreeing += list(picks) == list(output.outputs[0].token_ids)
+    assert agreeing >= 0.95 * len(outputs), f"{agreeing} of {len(outputs)} continuations agree"

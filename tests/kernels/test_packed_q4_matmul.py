@@ -1,0 +1,84 @@
+"""The C++ 4-bit group matmul (kernels_cpu/packed_matmul.cc, CbjaxPackedMatmulQ4) and its jnp reference
+against numpy in float64 on the dequantized weight q * scales + mins, and int4 quantization against the
+`gguf` package's own Q4_0 and Q4_1 quantizers.
+
+The bound is derived: a group's sum of x_k * q_k (q a small integer) rounds once per FMA, so it is off by
+at most G * 2^-24 * sum|x q|; the scale and min FMAs, the group sum of x and the sum over groups add at most
+2 * groups + 4 roundings more, so |error| <= (2G + 2 groups + 4) * 2^-24 * (|x| @ (q |scales| + |mins|))
+(2G: the reference sums x in float32 too). Shapes cover rows 0, 1, a pass of 4 and a tail, 64 (decode), K = G
+and many groups, N of 1, short of and past a panel."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from kernels_cpu import pack_weight, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu.quant4 import dequantize_int4, int4_matmul, pack_nibbles, quantize_int4
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
+
+kernel = jax.jit(packed_matmul_cpu)
+reference = jax.jit(packed_matmul_reference)
+# rows, K, G, N
+SHAPES = [(1, 32, 32, 32), (0, 64, 32, 33), (1, 576, 32, 960), (7, 128, 128, 31), (64, 256, 128, 100),
+          (5, 512, 32, 1), ((2, 3), 64, 32, 40)]
+
+
+def q4_product(rng: np.random.Generator, rows, k: int, group: int, n: int):
+    """x, random nibbles, scales and mins (independent of any quantizer), x @ w in float64 and the bound."""
+    x = rng.standard_normal((*np.atleast_1d(rows), k)).astype(np.float32)
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.1, (k // group, n)).astype(np.float32)
+    mins = rng.uniform(-0.8, 0.1, (k // group, n)).astype(np.float32)
+    w = q * np.repeat(scales.astype(np.float64), group, 0) + np.repeat(mins.astype(np.float64), group, 0)
+    magnitude = q * np.repeat(np.abs(scales.astype(np.float64)), group, 0) + np.repeat(np.abs(mins), group, 0)
+    bound = (2 * group + 2 * (k // group) + 4) * 2.0**-24 * (np.abs(x) @ magnitude) + 1e-30
+    return x, pack_nibbles(q), scales, mins, x.astype(np.float64) @ w, bound
+
+
+@pytest.mark.parametrize("rows,k,group,n", SHAPES)
+def test_q4_kernel_and_its_reference_match_float64_within_the_derived_bound(rows, k, group, n):
+    x, nibbles, scales, mins, expected, bound = q4_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(nibbles)
+    assert packed.shape == (-(-n // 32), k // 2, 32) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(unpack_weight(packed, n=n)), nibbles)
+    for out in (kernel(x, packed, scales, mins), reference(x, packed, scales, mins), int4_matmul(x, nibbles, scales, mins)):
+        out = np.asarray(out, np.float64)
+        assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+def test_each_row_is_the_same_sum_whatever_the_batch():
+    """A request's product does not depend on how many rows share its step or where it sits."""
+    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 19, 256, 32, 70)
+    packed = pack_weight(nibbles)
+    whole = np.asarray(kernel(x, packed, scales, mins))
+    for row in (0, 3, 4, 18):
+        np.testing.assert_array_equal(np.asarray(kernel(x[row : row + 1], packed, scales, mins))[0], whole[row])
+        np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed, scales, mins))[0], whole[row])
+
+
+def test_int4_picks_per_group_at_least_as_well_as_ggufs_q4_0_and_q4_1():
+    """At G = 32 the two roundings quantize_int4 chooses between are GGUF's Q4_0 (symmetric) and Q4_1
+    (asymmetric); per group it keeps the better, so its total error is below both of gguf's own."""
+    w = np.random.default_rng().standard_normal((256, 96)).astype(np.float32)
+    nibbles, scales, mins = quantize_int4(w, group_size=32)
+    ours = dequantize_int4(nibbles, scales, mins)
+    rows = np.ascontiguousarray(w.T)  # GGUF blocks run along K within an output row
+    theirs = {qtype.name: gguf.quants.dequantize(gguf.quants.quantize(rows, qtype), qtype).T
+              for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)}
+    error = lambda approx: np.square(approx - w).sum()  # noqa: E731
+    assert error(ours) < min(error(t) for t in theirs.values()), {name: error(t) for name, t in theirs.items()}
+    # every weight within one step of its group (half a step, or a symmetric group's clipped end)
+    assert np.all(np.abs(ours - w) <= np.repeat(np.abs(scales), 32, 0) * (1 + 1e-5))
+    symmetric = np.isclose(mins, -8 * scales)
+    assert symmetric.any() and not symmetric.all()  # both roundings win somewhere on normal weights
+
+
+def test_a_group_size_that_does_not_divide_k_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"group size 128 does not divide the weight's input dim K=96"):
+        quantize_int4(np.ones((96, 8), np.float32))
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_int4(np.ones((128, 8), np.uint8))
