@@ -28,6 +28,10 @@ def resolve_model(model: str | None) -> Path:
             return path
         if (path / "config.json").is_file() and (any(path.glob("*.safetensors"))):
             return _converted_copy(path)
+        from cbjax.checkpoint.gguf_import import GGUF_FILE
+
+        if (path / "config.json").is_file() and (path / GGUF_FILE).is_file():
+            return path  # a GGUF file's as-stored directory (_as_stored_dir), resolved again by the engine process
         raise ValueError(
             f"model directory {model!r} holds neither a converted checkpoint (params/ + config.json) nor a "
             "Hugging Face checkpoint (config.json + *.safetensors); point it at one of those"

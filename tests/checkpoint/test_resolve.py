@@ -59,6 +59,8 @@ def test_a_gguf_file_is_described_once_into_the_cache_and_served_from_its_link(t
 
     monkeypatch.setattr(gguf_import, "write_as_stored_dir", no_second_description)
     assert resolve.resolve_model(str(tmp_path / "tiny.gguf")) == described
+    # `cbjax serve` resolves the file, then its engine process resolves the directory it was given
+    assert resolve.resolve_model(str(described)) == described
 
 
 def test_a_directory_without_weights_is_refused(tmp_path, cache):
