@@ -47,7 +47,8 @@ def test_freeze_gc_heap_takes_what_is_alive_out_of_later_collections():
     try:
         frozen = freeze_gc_heap()
         after = [[i] for i in range(10)]
-        assert frozen == gc.get_freeze_count() >= 1000
+        # (a frozen object another thread frees meanwhile leaves the permanent generation: never more)
+        assert frozen >= gc.get_freeze_count() >= 1000
         tracked = gc.get_objects()
         assert not any(obj is before for obj in tracked)
         assert any(obj is after for obj in tracked)
