@@ -531,8 +531,10 @@ def test_binding_beyond_loopback_without_a_key_warns(caplog, monkeypatch):
 @pytest.fixture(scope="module")
 def priority_server(tiny, jax_cache, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "priority.log"
+    # Room for BUSY's prompts 3x longer (the later flags win): see the test.
     process = ServerProcess(tiny[1], log, *ENGINE_FLAGS, "--compilation-cache-dir", jax_cache,
-                            "--served-model-name", "tiny", "--scheduling-policy", "priority")
+                            "--served-model-name", "tiny", "--scheduling-policy", "priority",
+                            "--max-model-len", "384", "--num-kv-blocks", "200")
     yield process
     assert process.stop() == 0
 
@@ -544,6 +546,9 @@ def test_priority_policy_serves_an_urgent_request_before_those_queued_earlier(pr
     async def run():
         async with httpx.AsyncClient(base_url=priority_server.url, timeout=120) as http:
             order = []
+            # BUSY's prompts 3x longer here, so a wave of 4 lasts long enough for the two requests to cross
+            # HTTP on a slow machine (a fresh-clone run once saw them reach the engine 6 waves of 110 tokens late)
+            busy_body = BUSY | {"max_tokens": 330, "stream": True}
 
             async def short(name: str, priority: int) -> None:
                 body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0.0,
@@ -553,7 +558,7 @@ def test_priority_policy_serves_an_urgent_request_before_those_queued_earlier(pr
                 order.append(name)
 
             async def busy() -> None:
-                async with http.stream("POST", "/v1/completions", json=BUSY | {"stream": True}) as response:
+                async with http.stream("POST", "/v1/completions", json=busy_body) as response:
                     async for line in response.aiter_lines():
                         if line.startswith("data: {"):
                             order.extend("busy" for choice in json.loads(line[6:])["choices"] if choice["finish_reason"])
