@@ -64,10 +64,10 @@ def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[s
     served dtype's. One tensor at a time: each packed copy replaces its original."""
     if jnp.dtype(dtype) not in PACKED_DTYPES:
         return params
-    for name in list(params):
-        if ".layers." in name and name.endswith("_proj.kernel") and params[name].dtype == jnp.uint8:
+    for name in [n for n in params if ".layers." in n and n.endswith("_proj.kernel")]:
+        if params[name].dtype == jnp.uint8:
             params[name] = pack_weight(params.pop(name))  # 4-bit as stored (a GGUF file's): nibble panels
-        elif ".layers." in name and name.endswith("_proj.kernel") and packable(params[name].shape, dtype):
+        elif packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
