@@ -20,7 +20,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.layers.linear import declare_stored_4bit, fuse_projections, pack_linears, quantize_linears
+from cbjax.models.layers.linear import declare_stored, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), an HF safetensors directory directly, or a
-    GGUF file's directory (resolve.py: its 4-bit projections as stored, see gguf_params.py), into the
+    GGUF file's directory (resolve.py: its quantized tensors as stored, see gguf_params.py), into the
     class of its architecture's registry entry.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
@@ -166,8 +166,8 @@ def _fill_model(
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
     default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy.
     Each tensor is cast to its variable's dtype: `dtype`, or int8 kernels and float32 scales where quantized
-    (4-bit kernels with scales and mins where `params` holds them so: declare_stored_4bit)."""
-    graphdef, abstract_state = nnx.split(declare_stored_4bit(
+    (quantized kernels kept as stored where `params` holds them so: declare_stored)."""
+    graphdef, abstract_state = nnx.split(declare_stored(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
                        fused_projections, quantization), params
     ))
