@@ -91,24 +91,32 @@ def is_head_or_embedding(name: str) -> bool:
     return name in ("lm_head.kernel", "model.embed_tokens.embedding")
 
 
-def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pack: bool = False) -> dict[str, np.ndarray]:
+def quantize_linears(
+    params: dict[str, np.ndarray], quantization: str | None, pack: bool = False, lm_head: bool = False,
+) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant,
     quant4): "int8" `...kernel` int8 and `...scales` [out] float32 beside it; "int4" `...kernel` uint8
     nibbles [in / 2, out] and `...scales`, `...mins` [in / G, out] (G 128, or the name's "-gG"). With `pack`, the kernel is packed in
     32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
-    stay in the activation dtype (their rows are gathered, and the head's error lands on every logit).
+    stay in the activation dtype (their rows are gathered, and the head's error lands on every logit) unless
+    `lm_head`: then the LM head kernel [hidden, vocab] is quantized too, or, in a tied model, the embedding
+    [vocab, hidden] as that kernel (its transpose; layers/embedding.py gathers its rows): int8 per vocabulary
+    row, 4-bit in groups along the hidden size.
     Run on the float weights at load, after fuse_projections (a fused kernel's columns keep their own
     scales) and instead of pack_linears. One tensor at a time: each quantized copy replaces its original."""
     check_quantization(quantization)
     if quantization is None:
         return params
+    head = ("lm_head.kernel" if "lm_head.kernel" in params else "model.embed_tokens.embedding") if lm_head else None
+    if head == "model.embed_tokens.embedding":
+        params[head] = np.ascontiguousarray(np.asarray(params.pop(head)).T)  # the tied head's kernel [hidden, vocab]
     for name in list(params):
-        if is_quantized_projection(name, params[name].shape):
+        if is_quantized_projection(name, params[name].shape) or name == head:
             if quantization != "int8":
                 check_int4_group(quantization, name, params[name].shape[0])
             weight = params.pop(name)
             q, *beside = quantize_int8(weight) if quantization == "int8" else quantize_int4(weight, int4_group_size(quantization))
-            params.update(zip((name.removesuffix("kernel") + leaf for leaf in ("scales", "mins")), beside))
+            params.update(zip((name[: name.rindex(".") + 1] + leaf for leaf in ("scales", "mins")), beside))
             params[name] = pack_weight(q) if pack else q
     return params
 
