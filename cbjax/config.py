@@ -32,6 +32,10 @@ class EngineConfig:
     # embeddings and the LM head stay float, and so do the checkpoint and its weights cache. On a CPU with
     # cpu_packed_weights the weights are packed for the C++ int8 / 4-bit matmul. None: off.
     quantization: str | None = None
+    # With `quantization`: the LM head quantized with the same scheme too (int8 per vocabulary row, int4 in groups
+    # along the hidden size; a tied model's embedding is that head's kernel, gathered row by row). Off by default:
+    # the head's error lands on every logit. Not under tensor parallelism.
+    quantize_lm_head: bool = False
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to min(model's max_position_embeddings, 2048)
     block_size: int = 16
@@ -124,6 +128,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check_quantization(self.quantization)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True quantizes the LM head with `quantization`'s scheme, but quantization is "
+                             "None; set quantization (e.g. 'int8') or drop quantize_lm_head")
         check_hash_algo(self.prefix_caching_hash_algo)
         check_reasoning_parser(self.reasoning_parser)
         if self.block_size & (self.block_size - 1):

@@ -6,11 +6,11 @@ ceil(K / 2), 64]: the same panels with rows k and k+1 interleaved per column (a 
 odd K), the pairs the bf16 dot instruction multiplies; x is then rounded to bfloat16 and the
 products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) does. Only widths
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
-float32 scales [N]) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and the
-kernel widens it to float32 in registers: a quarter of float32's bytes to stream. 4-bit nibbles u8
-[K / 2, N] (kernels_cpu/quant4.py, with float32 scales and mins [K / G, N]) pack the same way, as
-[ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c at k = 2s (low nibble) and 2s + 1 (high),
-an eighth of float32's bytes.
+float32 scales [N], or [K / G, N] for a scale per group of G inputs) packs as [ceil(N / 32), K, 32],
+zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
+float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
+and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
+32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, UInt8
 
-from kernels_cpu.quant import int8_matmul
+from kernels_cpu.quant import check_int8_groups, int8_matmul
 from kernels_cpu.quant4 import int4_matmul
 from kernels_cpu.registry import target
 
@@ -75,7 +75,7 @@ def packed_matmul_reference(
     if packed.dtype == jnp.uint8:
         return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     if packed.dtype == jnp.int8:
-        return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[0]), scales)
+        return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales)
     w = unpack_weight(packed, x.shape[-1])
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -85,25 +85,27 @@ def packed_matmul_cpu(
     mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
-    its float32 scales [N] (w = q * scales per column), which also give N; 4-bit nibble panels take
-    scales and mins [K / G, N] (w = q * scales + mins per group of G inputs)."""
+    its float32 scales [N] (w = q * scales per column) or [K / G, N] (per group of G inputs), which also
+    give N; 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group)."""
     dtype = jnp.dtype(packed.dtype)
-    expected_scales = {jnp.dtype(jnp.int8): 1, jnp.dtype(jnp.uint8): 2}.get(dtype)  # scales' rank, None: no scales
+    expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2,)}.get(dtype)  # scales' ranks, None: no scales
     per_step = 2 if dtype in (jnp.bfloat16, jnp.uint8) else 1  # k per step of a panel
     if (
         packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
         or -(-x.shape[-1] // per_step) != packed.shape[1]
         or (scales is None) != (expected_scales is None) or (mins is None) != (dtype != jnp.uint8)
-        or (scales is not None and (scales.ndim != expected_scales or -(-scales.shape[-1] // PANEL) != packed.shape[0]))
+        or (scales is not None and (scales.ndim not in expected_scales or -(-scales.shape[-1] // PANEL) != packed.shape[0]))
         or (mins is not None and mins.shape != scales.shape)
     ):
         raise ValueError(
             f"packed_matmul_cpu: x {x.shape} does not match a packed weight {dtype} {packed.shape} with scales "
             f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape} (float32 "
             f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
-            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N]; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
+            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N]; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
             f"and mins [K / G, N])"
         )
+    if dtype == jnp.int8 and scales.ndim == 2:
+        check_int8_groups(x.shape[-1], scales.shape[0])
     n = packed.shape[0] * PANEL if scales is None else scales.shape[-1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
     operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)

@@ -6,6 +6,10 @@ product x @ w is (x @ q) * scales: the scale multiplies the N outputs, not the K
 no float copy of the weight is made (XLA fuses the int8 -> float convert into the dot). This is
 the jnp path every platform runs (and the one `cuda` lowers); vLLM's and torchao's int8
 weight-only scheme is the same.
+
+int8 weights may also carry one scale per group of G consecutive inputs: scales [K / G, N] with
+w[k, n] = q[k, n] * scales[k // G, n] (GGUF's Q8_0 is G = 32; Q6_K's 6-bit values with their
+16-input sub-block scales fit it at G = 16). The per-column form is the one-group case, G = K.
 """
 
 from __future__ import annotations
@@ -33,14 +37,32 @@ def quantize_int8(w: Float[np.ndarray, "k n"]) -> tuple[Int8[np.ndarray, "k n"],
     return q, scales
 
 
+def check_int8_groups(k: int, groups: int) -> None:
+    """Raise naming both unless `groups` (the rows of int8 scales [K / G, N]) divides the input dim `k`."""
+    if groups <= 0 or k % groups:
+        raise ValueError(
+            f"int8 scales have {groups} groups, and {groups} does not divide the weight's input dim K={k}; "
+            f"give scales [K / G, N] for a group size G that divides {k}, or [N] for one scale per column"
+        )
+
+
 def int8_matmul(
-    x: Float[Array, "*rows k"], q: Int8[Array, "k n"], scales: Float[Array, " n"]
+    x: Float[Array, "*rows k"], q: Int8[Array, "k n"], scales: Float[Array, "*g n"]
 ) -> Float[Array, "*rows n"]:
-    """x @ (q * scales) as (x @ q) * scales, accumulated in float32 (any platform)."""
-    if q.ndim != 2 or q.dtype != jnp.int8 or scales.shape != (q.shape[1],) or x.shape[-1] != q.shape[0]:
+    """x @ (q * scales), accumulated in float32 (any platform). Scales [N]: (x @ q) * scales. Scales
+    [K / G, N]: each group's sum of x * q times that group's scales, added over the groups, as the C++
+    kernel sums them (quant4.int4_matmul's form, without the mins)."""
+    if q.ndim != 2 or q.dtype != jnp.int8 or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1] or x.shape[-1] != q.shape[0]:
         raise ValueError(
             f"int8_matmul: x {x.shape} does not match an int8 weight {q.dtype} {q.shape} with scales {scales.shape} "
-            f"(int8 [K, N], float32 [N], x [..., K])"
+            f"(int8 [K, N], float32 [N] or [K / G, N], x [..., K])"
         )
-    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y * scales.astype(jnp.float32)
+    if scales.ndim == 1:
+        y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y * scales.astype(jnp.float32)
+    (k, n), groups = q.shape, scales.shape[0]
+    check_int8_groups(k, groups)
+    x_groups = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, k // groups)
+    sums = jnp.einsum("...gk,gkn->...gn", x_groups, q.reshape(groups, k // groups, n).astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+    return (sums * scales.astype(jnp.float32)).sum(axis=-2)

@@ -1,10 +1,14 @@
 """A GGUF file's tensors as the model's parameters, kept as stored where the engine has a kernel for them.
 
-Decoder projections in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel` nibbles [in / 2, out] with `...scales`
-and `...mins` [in / 32, out] beside it (cbjax/checkpoint/gguf_q4.py, the same bits), which the packed C++
-matmul or its jnp form multiply. Every other tensor (Q8_0, Q6_K, F16, the norms, the embedding that is also
-the tied LM head) is dequantized to the model's dtype at load, and one log line says which. The names,
-Q/K row order and checks are the importer's (gguf_import.py), so both read a file the same way.
+Decoder projections, the token embedding and the LM head in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel`
+nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0 or Q6_K
+they stay int8: `...kernel` int8 [in, out] with `...scales` [in / G, out], G 32 or 16 (gguf_q8.py). Both are
+the file's own bits, which the packed C++ matmul or its jnp form multiply. The embedding is kept as its LM
+head's kernel, [hidden, vocab] (`model.embed_tokens.embedding`, with scales beside it): one copy is the tied
+head's weight, and the embedding gather dequantizes only the rows it takes (models/layers/embedding.py).
+Every other tensor (F16, the norms, a fused kernel whose parts differ in form) is dequantized to the
+model's dtype at load, and one log line says which. The names, Q/K row order and checks are the
+importer's (gguf_import.py), so both read a file the same way.
 """
 
 from __future__ import annotations
@@ -19,36 +23,46 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from cbjax.checkpoint.gguf_import import gguf_names, hf_tensor_name, rope_heads, unpermute_rope_rows
-from cbjax.checkpoint.gguf_q4 import STORED_TYPES, gguf_q4_kernel
+from cbjax.checkpoint.gguf_q4 import GROUP as Q4_GROUP
+from cbjax.checkpoint.gguf_q4 import STORED_TYPES as Q4_TYPES
+from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
+from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
 from cbjax.checkpoint.params import check_params, expected_params, hf_to_params
 from cbjax.models.config import ModelConfig
-from cbjax.models.layers.linear import FUSED_PROJECTIONS, is_quantized_projection
+from cbjax.models.layers.linear import FUSED_PROJECTIONS, is_head_or_embedding, is_quantized_projection
 from cbjax.models.registry import architecture
 
 logger = logging.getLogger(__name__)
 
+# Each type kept as stored -> its form (bits, group size): a fused kernel's parts must share one.
+STORED_FORMS = {**{qtype: (4, Q4_GROUP) for qtype in Q4_TYPES}, **{qtype: (8, group) for qtype, group in INT8_GROUPS.items()}}
+
 
 def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
-    """Every parameter of the model from the GGUF file, our names: 4-bit projections as stored, the rest
-    dequantized to `dtype`; checked against the model (a 4-bit kernel by the [in, out] it stands for)."""
+    """Every parameter of the model from the GGUF file, our names: quantized projections, embedding and head
+    as stored, the rest dequantized to `dtype`; checked against the model (a kept tensor by the float shape
+    it stands for)."""
     reader = GGUFReader(gguf_path)
     architecture_field = reader.fields.get("general.architecture")  # the only key needed: the rest is the tokenizer's
     names = gguf_names({"general.architecture": architecture_field and architecture_field.contents()}, gguf_path)
     slots = {tensor.name: _our_name(hf_tensor_name(tensor.name, names), config) for tensor in reader.tensors}
     stored = _kept_as_stored({tensor.name: tensor.tensor_type for tensor in reader.tensors}, slots)
     params: dict[str, np.ndarray] = {}
-    logical: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # the [in, out] float kernel each 4-bit one stands for
+    logical: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # the float tensor each kept one stands for
     kept, dequantized = collections.Counter(), collections.defaultdict(list)
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest first: HF's [out, in]
         heads = rope_heads(tensor.name, config.num_attention_heads, config.num_key_value_heads)
         if tensor.name in stored:
-            kernel, (out, k) = slots[tensor.name], shape
-            prefix = kernel.removesuffix("kernel")
+            name, (out, k) = slots[tensor.name], shape
+            prefix = name[: name.rindex(".") + 1]
             order = None if heads is None else unpermute_rope_rows(np.arange(out), heads)
-            params[kernel], params[prefix + "scales"], params[prefix + "mins"] = gguf_q4_kernel(
-                tensor.data, tensor.tensor_type, k, order)
-            logical[kernel] = ((k, out), jnp.dtype(dtype))
+            if tensor.tensor_type in Q4_TYPES:
+                params[name], params[prefix + "scales"], params[prefix + "mins"] = gguf_q4_kernel(
+                    tensor.data, tensor.tensor_type, k, order)
+            else:
+                params[name], params[prefix + "scales"] = gguf_int8_kernel(tensor.data, tensor.tensor_type, k, order)
+            logical[name] = (shape if name.endswith(".embedding") else (k, out), jnp.dtype(dtype))
             kept[tensor.tensor_type.name] += 1
             continue
         weight = _dequantized(tensor, gguf_path).reshape(shape)
@@ -58,7 +72,7 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str) -> 
         dequantized[tensor.tensor_type.name].append(tensor.name)
     found = {name: (array.shape, array.dtype) for name, array in params.items() if not name.endswith((".scales", ".mins"))}
     check_params(expected_params(config, jnp.dtype(dtype)), {**found, **logical}, source=str(gguf_path))
-    logger.info("GGUF %s as stored: %d projections kept 4-bit (%s); dequantized to %s at load: %s", Path(gguf_path).resolve().name,
+    logger.info("GGUF %s as stored: %d tensors kept quantized (%s); dequantized to %s at load: %s", Path(gguf_path).resolve().name,
                 sum(kept.values()), ", ".join(f"{n} {kind}" for kind, n in kept.items()) or "none", dtype,
                 "; ".join(f"{len(tensors)} {kind} ({', '.join(tensors[:3])}{', ...' if len(tensors) > 3 else ''})"
                           for kind, tensors in dequantized.items()))
@@ -84,8 +98,8 @@ def _dequantized(tensor, gguf_path: str | Path) -> np.ndarray:
         return dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as error:
         raise ValueError(
-            f"{gguf_path}: tensor {tensor.name} is {tensor.tensor_type.name}, which neither the 4-bit kernel "
-            f"({', '.join(t.name for t in STORED_TYPES)}) nor the gguf package's dequantizer reads; "
+            f"{gguf_path}: tensor {tensor.name} is {tensor.tensor_type.name}, which neither the quantized kernels "
+            f"({', '.join(t.name for t in STORED_FORMS)}) nor the gguf package's dequantizer reads; "
             f"requantize the model to one of those or a common type (Q8_0, Q6_K, F16)"
         ) from error
 
@@ -96,15 +110,17 @@ def _our_name(hf_name: str, config: ModelConfig) -> str | None:
 
 
 def _kept_as_stored(types: dict, slots: dict[str, str | None]) -> set[str]:
-    """The GGUF names of the projections kept 4-bit: Q4_0/Q4_1/Q4_K decoder projections whose fused
-    partners (q/k/v, gate/up: one kernel on one device) are 4-bit too, since a fused kernel has one form."""
-    candidates = {gguf: ours for gguf, ours in slots.items()
-                  if ours is not None and is_quantized_projection(ours, (0, 0)) and types[gguf] in STORED_TYPES}
+    """The GGUF names of the tensors kept as stored: decoder projections, the embedding and the LM head in a
+    type of STORED_FORMS, a projection only where its fused partners (q/k/v, gate/up: one kernel on one
+    device) are stored in the same form (bits and group size), since a fused kernel has one form."""
+    candidates = {gguf: ours for gguf, ours in slots.items() if ours is not None and types[gguf] in STORED_FORMS
+                  and (is_quantized_projection(ours, (0, 0)) or is_head_or_embedding(ours))}
+    form = {ours: STORED_FORMS[types[gguf]] for gguf, ours in candidates.items()}
     kept = set(candidates.values())
     for ours in candidates.values():
         layer = ".".join(ours.split(".")[:3])  # model.layers.N
         for parts in FUSED_PROJECTIONS.values():
             group = {f"{layer}.{part}.kernel" for part in parts}
-            if ours in group and not group <= set(candidates.values()):
+            if ours in group and not (group <= set(form) and len({form[part] for part in group}) == 1):
                 kept -= group
     return {gguf for gguf, ours in candidates.items() if ours in kept}

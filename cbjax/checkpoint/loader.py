@@ -20,7 +20,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
-from cbjax.models.layers.linear import declare_stored_4bit, fuse_projections, pack_linears, quantize_linears
+from cbjax.models.layers.linear import declare_stored, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,10 @@ class ShardedPlacement(Protocol):
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
     tensor_parallel: ShardedPlacement | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
-    quantization: str | None = None,
+    quantization: str | None = None, quantize_lm_head: bool = False,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), an HF safetensors directory directly, or a
-    GGUF file's directory (resolve.py: its 4-bit projections as stored, see gguf_params.py), into the
+    GGUF file's directory (resolve.py: its quantized tensors as stored, see gguf_params.py), into the
     class of its architecture's registry entry.
 
     dtype=None keeps the stored dtype and requires every tensor to have it; a dtype casts on load.
@@ -57,11 +57,15 @@ def load_model(
     from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
     quantization: "int8" quantizes every decoder projection here, at load, after fusing (see
     quantize_linears; with pack_for_cpu, into int8 panels for the C++ matmul). The checkpoint and
-    the weights cache stay float.
+    the weights cache stay float. quantize_lm_head: the LM head (a tied model's embedding) quantized too
+    (quantize_linears' `lm_head`; one device only).
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
+    if quantize_lm_head and (quantization is None or tensor_parallel is not None):
+        raise ValueError(f"quantize_lm_head=True needs quantization= (got {quantization!r}) and one device (got tensor "
+                         f"parallelism): set quantization, or serve the LM head float under tensor parallelism")
     if fused_projections and tensor_parallel is not None:
         raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
@@ -87,7 +91,7 @@ def load_model(
         if arrange is not None:
             params = arrange[1](params)
     if tensor_parallel is None:
-        params = _quantize(params, quantization, pack=pack_for_cpu)
+        params = _quantize(params, quantization, pack=pack_for_cpu, lm_head=quantize_lm_head)
         model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections,
                             quantization=quantization)
     else:
@@ -119,17 +123,17 @@ def _arrangement(
 
 
 def _quantize(
-    params: dict[str, np.ndarray | jax.Array], quantization: str | None, pack: bool = False,
+    params: dict[str, np.ndarray | jax.Array], quantization: str | None, pack: bool = False, lm_head: bool = False,
 ) -> dict[str, np.ndarray | jax.Array]:
     """quantize_linears, and the start-up log line that says what it did."""
     if quantization is None:
         return params
     before = sum(array.nbytes for array in params.values())
-    params = quantize_linears(params, quantization, pack)
+    params = quantize_linears(params, quantization, pack, lm_head)
     num_projections = sum(name.endswith(".scales") for name in params)
     after = sum(array.nbytes for array in params.values())
-    logger.info("quantization: %s (%d projections%s, %.2f GiB -> %.2f GiB)", quantization, num_projections,
-                ", packed for the C++ matmul" if pack else "", before / 2**30, after / 2**30)
+    logger.info("quantization: %s (%d projections%s%s, %.2f GiB -> %.2f GiB)", quantization, num_projections,
+                ", the LM head among them" if lm_head else "", ", packed for the C++ matmul" if pack else "", before / 2**30, after / 2**30)
     return params
 
 
@@ -166,8 +170,8 @@ def _fill_model(
     `place` puts one named tensor on its device(s) (a no-op for one already restored there); by
     default XLA:CPU takes an aligned host array of the right dtype as it is, without a copy.
     Each tensor is cast to its variable's dtype: `dtype`, or int8 kernels and float32 scales where quantized
-    (4-bit kernels with scales and mins where `params` holds them so: declare_stored_4bit)."""
-    graphdef, abstract_state = nnx.split(declare_stored_4bit(
+    (quantized kernels kept as stored where `params` holds them so: declare_stored)."""
+    graphdef, abstract_state = nnx.split(declare_stored(
         abstract_model(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype),
                        fused_projections, quantization), params
     ))

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan
+from cbjax.models.layers.embedding import embedding_rows
 from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.norm import GemmaRMSNorm
 from cbjax.models.llama import MLP, Attention, LlamaForCausalLM
@@ -68,12 +69,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     final_norm = GemmaRMSNorm
 
     def embed(self, token_ids: Int[Array, "tokens"]) -> Float[Array, "tokens hidden"]:
-        table = self.model.embed_tokens.embedding[...]
+        rows = embedding_rows(self.model.embed_tokens, token_ids)
         # The normaliser in the table's dtype, as transformers rounds it (sqrt(3072) is 55.5 in bfloat16).
-        normalizer = jnp.asarray(self.config.hidden_size**0.5, jnp.float32).astype(table.dtype)
-        return (table[token_ids] * normalizer).astype(self.activation_dtype)
+        normalizer = jnp.asarray(self.config.hidden_size**0.5, jnp.float32).astype(rows.dtype)
+        return (rows * normalizer).astype(self.activation_dtype)
 
-    def compute_logits(self, hidden: Float[Array, "rows hidden"]) -> Float[Array, "rows vocab"]:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: Float[Array, "rows hidden"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "rows vocab"]:
+        logits = super().compute_logits(hidden, plan)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -26,8 +26,9 @@ from jaxtyping import Array, Float, Int
 
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
+from cbjax.models.layers.embedding import embedding_rows, quantized_table
 from cbjax.models.layers.kv_pool import KVPool
-from cbjax.models.layers.linear import linear
+from cbjax.models.layers.linear import kernel_product, linear
 from cbjax.models.layers.moe import SparseMoeBlock
 from cbjax.models.layers.norm import RMSNorm
 from cbjax.models.layers.rope import apply_rope, rope_inv_freq
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nnx.Module):
         """Logits (float32) at rows `logits_indices` of the batch, and the updated pool."""
         hidden, kv_pool = self.hidden_states(token_ids, positions, kv_pool, metadata, plan)
         # Gather before the norm and head: only the sampled rows ever pay for the vocab projection.
-        return self.compute_logits(hidden[logits_indices]), kv_pool
+        return self.compute_logits(hidden[logits_indices], plan), kv_pool
 
     def hidden_states(
         self,
@@ -267,13 +268,19 @@ class LlamaForCausalLM(nnx.Module):
 
     def embed(self, token_ids: Int[Array, "tokens"]) -> Float[Array, "tokens hidden"]:
         """The embedding rows of `token_ids`, in the activation dtype."""
-        # A plain row gather: Embed's own call would convert the whole table to the activation dtype.
-        return self.model.embed_tokens.embedding[...][token_ids].astype(self.activation_dtype)
+        # A plain row gather (of a quantized table's rows, dequantized): Embed's own call would convert the
+        # whole table to the activation dtype.
+        return embedding_rows(self.model.embed_tokens, token_ids).astype(self.activation_dtype)
 
-    def compute_logits(self, hidden: Float[Array, "rows hidden"]) -> Float[Array, "rows vocab"]:
-        """Final norm and LM head: float32 logits of the given rows of hidden_states."""
+    def compute_logits(self, hidden: Float[Array, "rows hidden"], plan: AttentionPlan = AttentionPlan()) -> Float[Array, "rows vocab"]:
+        """Final norm and LM head: float32 logits of the given rows of hidden_states. A tied head whose
+        table is kept quantized (layers/embedding.py) multiplies it as a quantized kernel, by the C++
+        kernel where the plan runs them."""
         x = self.model.norm(hidden)
-        if self.tied_head is not None:
+        table, quantized = quantized_table(self.model.embed_tokens)
+        if self.lm_head is None and quantized:
+            logits = kernel_product(x, table, quantized, plan)
+        elif self.tied_head is not None:
             x16 = x.astype(self.dtype)
             logits = jnp.concatenate(
                 [jnp.dot(x16, part[...], preferred_element_type=self.activation_dtype) for part in self.tied_head], axis=-1
@@ -281,8 +288,7 @@ class LlamaForCausalLM(nnx.Module):
         elif self.lm_head is None:
             # Not Embed.attend: that casts the whole table to the activation dtype every step. The
             # table stays the left operand, untransposed, so XLA:CPU can use its bf16 dot directly.
-            embedding = self.model.embed_tokens.embedding[...]
-            logits = jnp.dot(embedding, x.astype(embedding.dtype).T, preferred_element_type=self.activation_dtype).T
+            logits = jnp.dot(table, x.astype(table.dtype).T, preferred_element_type=self.activation_dtype).T
         else:
-            logits = self.lm_head(x)
+            logits = self.lm_head(x, plan)
         return logits.astype(jnp.float32)

@@ -89,6 +89,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     model, mc = load_model(
         config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,
         pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None, quantization=config.quantization,
+        quantize_lm_head=config.quantize_lm_head,
     )
     config.resolve(mc.max_position_embeddings)
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)

@@ -313,18 +313,14 @@ class ModelRunner:
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, weight_stacks.unstack(step_weights)))
             if lora:
                 set_token_slots(model, inputs.lora_slots)
-            hidden, kv_pool = model.hidden_states(
-                token_ids,
-                inputs.positions,
-                kv_pool,
-                metadata,
-                AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh,
-                              self.config.enable_expert_parallel),
-            )
+            plan = AttentionPlan(backend, bucket.kind == "decode", self.config.max_num_prefills, mesh,
+                                 self.config.enable_expert_parallel)
+            hidden, kv_pool = model.hidden_states(token_ids, inputs.positions, kv_pool, metadata, plan)
+            compute_logits = functools.partial(model.compute_logits, plan=plan)
             if inputs.drafts is None:
-                logits, draft_logits = model.compute_logits(hidden[inputs.logits_indices]), None
+                logits, draft_logits = compute_logits(hidden[inputs.logits_indices]), None
             else:
-                logits, draft_logits = logits_with_drafts(model.compute_logits, hidden, inputs.logits_indices, inputs.drafts)
+                logits, draft_logits = logits_with_drafts(compute_logits, hidden, inputs.logits_indices, inputs.drafts)
             logits = grammar.masked(logits, inputs.sampling, grammar_bitmask)
             penalty_state = record_step_tokens(penalty_state, token_ids, inputs.positions,
                                                inputs.token_penalty_slots, inputs.token_prompt_lens)
@@ -336,7 +332,7 @@ class ModelRunner:
                 sampled = sample_vocab_sharded(logits, sampling, penalty_state, num_logprobs, mesh)
             outputs = StepOutputs(
                 sampled,
-                prompt_logprobs(model.compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
+                prompt_logprobs(compute_logits, hidden, inputs.prompt_logprob_targets, num_logprobs),
                 None if inputs.drafts is None else
                 verify_if_drafted(draft_logits, inputs.drafts, sampling, penalty_state),
             )

@@ -1,5 +1,5 @@
-"""GGUF files served as stored (cbjax/checkpoint/gguf_q4.py, gguf_params.py): 4-bit tensors keep their bits
-and compute what the `gguf` package's own dequantizer says they hold; the model they make computes what the
+"""GGUF files served as stored (cbjax/checkpoint/gguf_q4.py, gguf_q8.py, gguf_params.py): 4-bit, 8-bit and 6-bit
+tensors keep their bits and compute what the `gguf` package's own dequantizer says they hold; the model they make computes what the
 dequantized float32 import (`cbjax import-gguf` + convert, an independent path) computes."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 from test_gguf_import import QUANT_TYPES, real_gguf_path, write_tiny_llama_gguf
 from test_packed_matmul import forward_logits, model_logits
@@ -24,6 +25,7 @@ from cbjax.checkpoint.convert import convert_checkpoint
 from cbjax.checkpoint.gguf_import import import_gguf, write_as_stored_dir
 from cbjax.checkpoint.gguf_params import _kept_as_stored
 from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
+from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
 from cbjax.checkpoint.loader import load_model
 from cbjax.entrypoints.demo import PLAIN_PROMPTS
 from kernels_cpu.quant4 import dequantize_int4
@@ -42,6 +44,28 @@ def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def q6_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q6_K rows (the gguf package has no Q6_K quantizer), laid out as ggml's block_q6_K: any bytes are
+    a valid block once its float16 factor d (the last 2 of 210 bytes) is finite, so random bits with a small d."""
+    blocks = rng.integers(0, 256, (rows * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
+def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
+    rng = np.random.default_rng()
+    out, k = 40, 512
+    data = q6_k_blocks(rng, out, k) if qtype == Q.Q6_K else quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
+    reference = dequantize(data, qtype).reshape(out, k).T  # [in, out], as our kernels are
+    order = rng.permutation(out)
+    q, scales = gguf_int8_kernel(data, qtype, k, order)
+    group = INT8_GROUPS[qtype]
+    assert q.shape == (k, out) and q.dtype == np.int8 and scales.shape == (k // group, out) and scales.dtype == np.float32
+    # both are the float32 product of the same q and (d, or d * sc_j formed in float32) scale
+    np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, axis=0), reference[:, order])
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
 def test_4bit_tensors_repack_to_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
@@ -55,14 +79,18 @@ def test_4bit_tensors_repack_to_what_ggufs_dequantizer_reads(qtype):
     np.testing.assert_allclose(dequantize_int4(nibbles, scales, mins), reference[:, order], rtol=2**-23, atol=1e-30)
 
 
-def test_a_fused_kernel_stays_4bit_only_if_all_its_parts_are():
-    """q/k/v (and gate/up) become one kernel with one form: a float k_proj makes its q and v dequantized too."""
-    layer = "model.layers.0."
-    slots = {"q": layer + "self_attn.q_proj.kernel", "k": layer + "self_attn.k_proj.kernel",
-             "v": layer + "self_attn.v_proj.kernel", "o": layer + "self_attn.o_proj.kernel",
-             "gate": layer + "mlp.gate_proj.kernel", "up": layer + "mlp.up_proj.kernel", "embd": "model.embed_tokens.embedding"}
-    types = {"q": Q.Q4_0, "k": Q.F16, "v": Q.Q4_K, "o": Q.Q4_1, "gate": Q.Q4_K, "up": Q.Q4_0, "embd": Q.Q4_0}
-    assert _kept_as_stored(types, slots) == {"o", "gate", "up"}
+def test_a_fused_kernel_stays_quantized_only_if_all_its_parts_share_one_form():
+    """q/k/v (and gate/up) become one kernel with one form: a float k_proj makes its q and v dequantized too,
+    and so do parts of different forms (Q8_0's int8 groups of 32 beside Q6_K's of 16, int8 beside 4-bit)."""
+    slots = {"embd": "model.embed_tokens.embedding", "head": "lm_head.kernel", "norm": "model.norm.scale"}
+    for layer in (0, 1, 2):
+        slots.update({f"{part}{layer}": f"model.layers.{layer}.{kind}.{part}_proj.kernel"
+                      for kind, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up"))) for part in parts})
+    types = {"embd": Q.Q8_0, "head": Q.Q6_K, "norm": Q.F32,
+             "q0": Q.Q4_0, "k0": Q.F16, "v0": Q.Q4_K, "o0": Q.Q4_1, "gate0": Q.Q4_K, "up0": Q.Q4_0,
+             "q1": Q.Q8_0, "k1": Q.Q8_0, "v1": Q.Q8_0, "o1": Q.Q6_K, "gate1": Q.Q8_0, "up1": Q.Q6_K,
+             "q2": Q.Q6_K, "k2": Q.Q6_K, "v2": Q.Q6_K, "o2": Q.Q8_0, "gate2": Q.Q4_0, "up2": Q.Q8_0}
+    assert _kept_as_stored(types, slots) == {"embd", "head", "o0", "gate0", "up0", "q1", "k1", "v1", "o1", "q2", "k2", "v2", "o2"}
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +107,11 @@ def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
     stored, imported = tiny_gguf
     with caplog.at_level(logging.INFO, logger="cbjax.checkpoint.gguf_params"):
         packed, _ = load_model(stored, pack_for_cpu=True, fused_projections=True)
-    assert ("12 projections kept 4-bit (6 Q4_0, 6 Q4_1); dequantized to float32 at load: 3 Q8_0 (token_embd.weight, "
-            "blk.0.ffn_down.weight, blk.1.ffn_down.weight); 5 F32 (output_norm.weight, ") in caplog.text
+    assert ("15 tensors kept quantized (3 Q8_0, 6 Q4_0, 6 Q4_1); dequantized to float32 at load: "
+            "5 F32 (output_norm.weight, ") in caplog.text
     layer = packed.model.layers[0]
-    assert layer.self_attn.qkv_proj.kernel[...].dtype == np.uint8 and layer.mlp.down_proj.kernel[...].dtype == np.float32
+    assert layer.self_attn.qkv_proj.kernel[...].dtype == np.uint8 and layer.mlp.down_proj.kernel[...].dtype == np.int8
+    assert packed.model.embed_tokens.embedding[...].dtype == np.int8  # the tied head's kernel, in int8 panels
     unpacked, _ = load_model(stored, fused_projections=True)  # the jnp path (GPUs, cpu_packed_weights=False)
     reference, _ = load_model(imported, pack_for_cpu=True, fused_projections=True)
     tokens = list(np.random.default_rng(3).integers(3, 250, 30))
@@ -143,3 +172,21 @@ def test_smollm2_q4_1_as_stored_computes_its_float32_import():
             len(output.prompt_token_ids) - 1 : len(tokens) - 1].argmax(-1)
         agreeing += list(picks) == list(output.outputs[0].token_ids)
     assert agreeing >= 0.95 * len(outputs), f"{agreeing} of {len(outputs)} continuations agree"
+
+
+def test_smollm2_embedding_is_kept_int8_and_its_rows_are_ggufs_own(tmp_path):
+    """The built-in file's Q8_0 token embedding (also its tied LM head) stays int8: its gathered rows are the
+    gguf package's dequantized rows exactly, and it takes 78 MiB less than in float32 (108 MiB -> 30)."""
+    if real_gguf_path() is None:
+        pytest.skip("SmolLM2 GGUF missing (scripts/fetch_model.sh)")
+    model, config = load_model(write_as_stored_dir(real_gguf_path(), tmp_path / "stored"), pack_for_cpu=True,
+                               fused_projections=True)
+    table = next(t for t in GGUFReader(real_gguf_path()).tensors if t.name == "token_embd.weight")
+    assert table.tensor_type == Q.Q8_0
+    token_ids = np.array([0, 1, 31, 32, 1000, config.vocab_size - 1])
+    rows = dequantize(table.data[token_ids], Q.Q8_0)
+    np.testing.assert_array_equal(np.asarray(model.embed(jnp.asarray(token_ids))), rows)
+    embed = model.model.embed_tokens
+    stored = embed.embedding[...].nbytes + embed.scales[...].nbytes  # int8 q, a float32 scale per 32 values
+    assert embed.embedding[...].dtype == np.int8 and stored == config.vocab_size * config.hidden_size * (1 + 4 / 32)
+    assert model.lm_head is None and model.tied_head is None  # the head has no copy of its own

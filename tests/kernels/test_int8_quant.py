@@ -44,6 +44,21 @@ def test_int8_matmul_matches_float64_reference(rows, k, n):
     assert y.shape == (rows, n) and np.all(np.abs(y - expected) <= bound)
 
 
+@pytest.mark.parametrize("rows,k,group,n", [(1, 32, 32, 31), (3, 64, 16, 32), (5, 96, 32, 33)])
+def test_int8_matmul_with_group_scales_matches_float64_reference(rows, k, group, n):
+    """Scales [K / G, N]: w[k, n] = q[k, n] * scales[k // G, n]. Each group's float32 sum is off by at most
+    (G + 1) * 2^-24 of its sum|x w| (+1: a product may round), its scale multiply once, adding the groups
+    groups - 1 times more."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=(rows, k)).astype(np.float32)
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scales = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales.astype(np.float64), group, 0)
+    y = np.asarray(jax.jit(int8_matmul)(x, q, scales), np.float64)
+    bound = (group + k // group + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-30
+    assert y.shape == (rows, n) and np.all(np.abs(y - x.astype(np.float64) @ w) <= bound)
+
+
 def test_int8_matmul_error_against_float_weights_is_bounded_by_half_scales():
     rng = np.random.default_rng()
     x = rng.normal(size=(4, 256)).astype(np.float32)
@@ -65,12 +80,15 @@ def test_already_quantized_and_unknown_names_are_refused():
     check_quantization("int8")
     with pytest.raises(ValueError, match="does not match"):
         int8_matmul(jnp.ones((1, 8)), jnp.ones((4, 4), jnp.int8), jnp.ones(4))
+    with pytest.raises(ValueError, match="3 groups, and 3 does not divide the weight's input dim K=8"):
+        int8_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), jnp.ones((3, 4)))
 
 
-def test_int8_matmul_lowers_for_cuda_with_int8_weights():
+@pytest.mark.parametrize("scales_shape", [(96,), (4, 96)], ids=["per-column", "groups-of-32"])
+def test_int8_matmul_lowers_for_cuda_with_int8_weights(scales_shape):
     x = jax.ShapeDtypeStruct((8, 128), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((128, 96), jnp.int8)
-    s = jax.ShapeDtypeStruct((96,), jnp.float32)
+    s = jax.ShapeDtypeStruct(scales_shape, jnp.float32)
     with lowering_target("cuda"):
         text = jax.jit(int8_matmul).trace(x, q, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "tensor<128x96xi8>" in text  # the weight crosses into the step as int8, not a float copy

@@ -1,9 +1,12 @@
-"""The C++ matmul over int8 panels with float32 scales (kernels_cpu/packed_matmul.cc, CbjaxPackedMatmulI8)
-against numpy in float64 on the dequantized weight q * scales. The bound is derived, as in
-test_int8_quant.py: each product x * q is exact in a float32 FMA, K sums of rounded adds are off by at
-most K * 2^-24 * sum|x q|, and the scale multiply rounds once more, so (K + 2) * 2^-24 * (|x| @ |w|).
-Sizes cover rows 0, 1, one short of, at and past a pass of rows, K of 1 and odd, and N of 1, one short
-of and past a panel (the int8 panels are padded, unlike float32's)."""
+"""The C++ matmul over int8 panels (kernels_cpu/packed_matmul.cc, CbjaxPackedMatmulI8) with float32 scales
+per column [N] or per group of G inputs [K / G, N], and its jnp reference, against numpy in float64 on the
+dequantized weight q * scales. The bounds are derived, as in test_int8_quant.py. Per column: each product
+x * q is exact in a float32 FMA, K sums of rounded adds are off by at most K * 2^-24 * sum|x q|, and the
+scale multiply rounds once more, so (K + 2) * 2^-24 * (|x| @ |w|). Per group: a group's sum is off by at
+most (G + 1) * 2^-24 of its sum|x q| (+1: the reference's dot may round each product), its scale multiply
+rounds once and adding the groups `groups` - 1 times more, so (G + groups + 2) * 2^-24 * (|x| @ |w|).
+Sizes cover rows 0, 1, one short of, at and past a pass of rows, 16 and 64 (the widened-panel passes),
+K of 1 and odd, K = G, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,16 @@ import numpy as np
 import pytest
 
 from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
-from kernels_cpu.quant import quantize_int8
+from kernels_cpu.quant import int8_matmul, quantize_int8
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
 
 kernel = jax.jit(packed_matmul_cpu)
-SHAPES = [(1, 1, 1), (0, 5, 33), (1, 576, 960), (7, 33, 31), (9, 127, 65), (17, 300, 96), ((2, 3), 64, 40)]
+SHAPES = [(1, 1, 1), (0, 5, 33), (1, 576, 960), (7, 33, 31), (9, 127, 65), (17, 300, 96), (64, 384, 70),
+          ((2, 3), 64, 40)]
+# rows, K, G, N
+GROUP_SHAPES = [(1, 32, 32, 32), (0, 64, 32, 33), (1, 576, 32, 960), (7, 96, 16, 31), (9, 128, 32, 65),
+                (16, 256, 16, 96), (64, 512, 32, 100), ((2, 3), 64, 32, 40)]
 
 
 def int8_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, n: int):
@@ -27,6 +34,17 @@ def int8_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, 
     q, scales = quantize_int8(rng.standard_normal((k, n)).astype(np.float32))
     w = q.astype(np.float64) * scales.astype(np.float64)
     return x, q, scales, x.astype(np.float64) @ w, (k + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-30
+
+
+def int8_group_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, group: int, n: int):
+    """x, random int8 q and group scales [K / G, N] of either sign (independent of any quantizer),
+    x @ (q * scales) in float64 and its error bound."""
+    x = rng.standard_normal((*np.atleast_1d(rows), k)).astype(np.float32)
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scales = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales.astype(np.float64), group, 0)
+    bound = (group + k // group + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-30
+    return x, q, scales, x.astype(np.float64) @ w, bound
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
@@ -39,13 +57,39 @@ def test_int8_kernel_and_its_reference_match_float64_within_the_derived_bound(ro
         assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
 
 
-def test_each_row_is_the_same_sum_whatever_the_batch():
-    """A request's product does not depend on how many rows share its step or where it sits."""
-    x, q, scales, _, _ = int8_product(np.random.default_rng(), 19, 384, 100)
+@pytest.mark.parametrize("rows,k,group,n", GROUP_SHAPES)
+def test_int8_group_kernel_and_its_references_match_float64_within_the_derived_bound(rows, k, group, n):
+    x, q, scales, expected, bound = int8_group_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(q)
+    for out in (kernel(x, packed, scales), packed_matmul_reference(x, packed, scales), jax.jit(int8_matmul)(x, q, scales)):
+        out = np.asarray(out, np.float64)
+        assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+def test_per_column_scales_are_the_one_group_case_bit_for_bit():
+    """scales [N] and the same scales as [1, N] run the same sums: equal bits, at one row and many."""
+    x, q, scales, _, _ = int8_product(np.random.default_rng(), 19, 96, 40)
+    packed = pack_weight(q)
+    for rows in (1, 19):
+        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], packed, scales)),
+                                      np.asarray(kernel(x[:rows], packed, scales[None])))
+
+
+@pytest.mark.parametrize("group", [None, 32], ids=["per-column", "groups-of-32"])
+def test_each_row_is_the_same_sum_whatever_the_batch(group):
+    """A request's product does not depend on how many rows share its step or where it sits: each row of a
+    64-row call (its panels widened to floats once, then passes of 8) equals, bit for bit, that row alone
+    (the panel widened in registers) and that row at the head of a shorter batch."""
+    rng = np.random.default_rng()
+    if group is None:
+        x, q, scales, _, _ = int8_product(rng, 64, 384, 100)
+    else:
+        x, q, scales, _, _ = int8_group_product(rng, 64, 384, group, 100)
     packed = pack_weight(q)
     whole = np.asarray(kernel(x, packed, scales))
-    for row in (0, 7, 8, 18):
-        np.testing.assert_array_equal(np.asarray(kernel(x[row : row + 1], packed, scales))[0], whole[row])
+    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales))[0] for row in range(64)])
+    np.testing.assert_array_equal(alone, whole)
+    for row in (7, 8, 18, 47):
         np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed, scales))[0], whole[row])
 
 
@@ -60,3 +104,12 @@ def test_int8_packing_pads_the_last_panel_and_mismatched_scales_are_refused():
         packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed), jnp.ones(31))
     with pytest.raises(ValueError, match="with scales None"):
         packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed))
+    with pytest.raises(ValueError, match=r"with scales \(1, 2, 35\)"):
+        packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed), jnp.ones((1, 2, 35)))
+
+
+def test_a_group_count_that_does_not_divide_k_is_refused_naming_both():
+    packed = jnp.asarray(pack_weight(np.ones((96, 40), np.int8)))
+    for groups in (5, 0):
+        with pytest.raises(ValueError, match=rf"{groups} groups, and {groups} does not divide the weight's input dim K=96"):
+            packed_matmul_cpu(jnp.zeros((1, 96)), packed, jnp.ones((groups, 40)))

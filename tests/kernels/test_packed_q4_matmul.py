@@ -5,8 +5,8 @@ against numpy in float64 on the dequantized weight q * scales + mins, and int4 q
 The bound is derived: a group's sum of x_k * q_k (q a small integer) rounds once per FMA, so it is off by
 at most G * 2^-24 * sum|x q|; the scale and min FMAs, the group sum of x and the sum over groups add at most
 2 * groups + 4 roundings more, so |error| <= (2G + 2 groups + 4) * 2^-24 * (|x| @ (q |scales| + |mins|))
-(2G: the reference sums x in float32 too). Shapes cover rows 0, 1, a pass of 4 and a tail, 64 (decode), K = G
-and many groups, N of 1, short of and past a panel."""
+(2G: the reference sums x in float32 too). Shapes cover rows 0, 1, short of a pass of 8 and a tail, 64 (decode:
+the widened-panel passes), K = G and many groups, N of 1, short of and past a panel."""
 
 from __future__ import annotations
 
@@ -51,12 +51,15 @@ def test_q4_kernel_and_its_reference_match_float64_within_the_derived_bound(rows
 
 
 def test_each_row_is_the_same_sum_whatever_the_batch():
-    """A request's product does not depend on how many rows share its step or where it sits."""
-    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 19, 256, 32, 70)
+    """A request's product does not depend on how many rows share its step or where it sits: each row of a
+    64-row call (its panels widened to floats once, then passes of 8) equals, bit for bit, that row alone
+    (the nibbles widened in registers) and that row at the head of a shorter batch."""
+    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 64, 256, 32, 70)
     packed = pack_weight(nibbles)
     whole = np.asarray(kernel(x, packed, scales, mins))
-    for row in (0, 3, 4, 18):
-        np.testing.assert_array_equal(np.asarray(kernel(x[row : row + 1], packed, scales, mins))[0], whole[row])
+    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales, mins))[0] for row in range(64)])
+    np.testing.assert_array_equal(alone, whole)
+    for row in (3, 4, 18, 47):
         np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed, scales, mins))[0], whole[row])
 
 

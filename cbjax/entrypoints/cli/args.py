@@ -35,6 +35,8 @@ def add_engine_args(
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                         help="weight-only quantization of the decoder projections at load (default: none)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --quantization: the LM head (a tied model's embedding) quantized too (default: float)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -112,7 +114,7 @@ def add_engine_args(
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype kv_cache_dtype quantization max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
+        "dtype kv_cache_dtype quantization quantize_lm_head max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
         "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "

@@ -16,7 +16,8 @@ from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> the parameters beside it and its unpacked product: int8 q [in, out] with
-# scales [out]; 4-bit nibbles [in / 2, out] with scales and mins [in / G, out] (GGUF's 4-bit tensors too).
+# scales [out] or [in / G, out] (GGUF's Q8_0, Q6_K); 4-bit nibbles [in / 2, out] with scales and mins
+# [in / G, out] (GGUF's 4-bit tensors too).
 QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): (("scales",), int8_matmul),
                      jnp.dtype(jnp.uint8): (("scales", "mins"), int4_matmul)}
 
@@ -38,16 +39,22 @@ class Linear(nnx.Linear):
 
     def base_product(self, x: Float[Array, "... in"], plan: AttentionPlan) -> Float[Array, "... out"]:
         kernel = self.kernel[...]
-        leaves, unpacked_product = QUANTIZED_KERNELS.get(kernel.dtype, ((), None))
-        quantized = [getattr(self, leaf)[...] for leaf in leaves]
-        if quantized and kernel.ndim == 2:
-            # The float32 product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
-            y = unpacked_product(x, kernel, *quantized).astype(self.preferred_element_type or x.dtype)
-            return y if self.bias is None else y + self.bias[...]
-        if kernel.ndim == 2:
+        if kernel.ndim == 2 and kernel.dtype not in QUANTIZED_KERNELS:
             return super().__call__(x)
-        y = packed_matmul_cpu(x, kernel, *quantized) if plan.backend == "cpp" else packed_matmul_reference(x, kernel, *quantized)
+        quantized = [getattr(self, leaf)[...] for leaf in QUANTIZED_KERNELS.get(kernel.dtype, ((),))[0]]
+        # A quantized product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
+        y = kernel_product(x, kernel, quantized, plan).astype(self.preferred_element_type or x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+def kernel_product(
+    x: Float[Array, "... in"], kernel: Array, quantized: list[Array], plan: AttentionPlan,
+) -> Float[Array, "... out"]:
+    """x @ a quantized [in, out] kernel (its `quantized` leaves: QUANTIZED_KERNELS) or a packed one (with
+    them, if any): the C++ kernel's product where the plan runs the C++ kernels, else the jnp one; float32."""
+    if kernel.ndim == 2:
+        return QUANTIZED_KERNELS[kernel.dtype][1](x, kernel, *quantized)
+    return (packed_matmul_cpu if plan.backend == "cpp" else packed_matmul_reference)(x, kernel, *quantized)
 
 
 # The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) beats
@@ -60,14 +67,15 @@ PACKED_DTYPES = (jnp.dtype(jnp.float32),)
 def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
     matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
-    allows, 4-bit nibbles (kept as stored) into nibble panels; the LM head and embeddings as they are. The cast comes first, so the layout is the
-    served dtype's. One tensor at a time: each packed copy replaces its original."""
+    allows; quantized kernels kept as stored (a GGUF file's int8 or 4-bit projections, embedding and LM
+    head) into int8 or nibble panels; a float LM head and embedding as they are. The cast comes first, so
+    the layout is the served dtype's. One tensor at a time: each packed copy replaces its original."""
     if jnp.dtype(dtype) not in PACKED_DTYPES:
         return params
-    for name in [n for n in params if ".layers." in n and n.endswith("_proj.kernel")]:
-        if params[name].dtype == jnp.uint8:
-            params[name] = pack_weight(params.pop(name))  # 4-bit as stored (a GGUF file's): nibble panels
-        elif packable(params[name].shape, dtype):
+    for name in [n for n in params if is_quantized_projection(n, (0, 0)) or is_head_or_embedding(n)]:
+        if params[name].dtype in QUANTIZED_KERNELS:
+            params[name] = pack_weight(params.pop(name))  # as stored: int8 or nibble panels
+        elif is_quantized_projection(name, (0, 0)) and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
@@ -78,24 +86,37 @@ def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
     return ".layers." in kernel_name and kernel_name.endswith("_proj.kernel") and len(shape) == 2
 
 
-def quantize_linears(params: dict[str, np.ndarray], quantization: str | None, pack: bool = False) -> dict[str, np.ndarray]:
+def is_head_or_embedding(name: str) -> bool:
+    """Whether `name` is the LM head's kernel or the token embedding (which a tied model's head reuses)."""
+    return name in ("lm_head.kernel", "model.embed_tokens.embedding")
+
+
+def quantize_linears(
+    params: dict[str, np.ndarray], quantization: str | None, pack: bool = False, lm_head: bool = False,
+) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant,
     quant4): "int8" `...kernel` int8 and `...scales` [out] float32 beside it; "int4" `...kernel` uint8
     nibbles [in / 2, out] and `...scales`, `...mins` [in / G, out] (G 128, or the name's "-gG"). With `pack`, the kernel is packed in
     32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
-    stay in the activation dtype (their rows are gathered, and the head's error lands on every logit).
+    stay in the activation dtype (their rows are gathered, and the head's error lands on every logit) unless
+    `lm_head`: then the LM head kernel [hidden, vocab] is quantized too, or, in a tied model, the embedding
+    [vocab, hidden] as that kernel (its transpose; layers/embedding.py gathers its rows): int8 per vocabulary
+    row, 4-bit in groups along the hidden size.
     Run on the float weights at load, after fuse_projections (a fused kernel's columns keep their own
     scales) and instead of pack_linears. One tensor at a time: each quantized copy replaces its original."""
     check_quantization(quantization)
     if quantization is None:
         return params
+    head = ("lm_head.kernel" if "lm_head.kernel" in params else "model.embed_tokens.embedding") if lm_head else None
+    if head == "model.embed_tokens.embedding":
+        params[head] = np.ascontiguousarray(np.asarray(params.pop(head)).T)  # the tied head's kernel [hidden, vocab]
     for name in list(params):
-        if is_quantized_projection(name, params[name].shape):
+        if is_quantized_projection(name, params[name].shape) or name == head:
             if quantization != "int8":
                 check_int4_group(quantization, name, params[name].shape[0])
             weight = params.pop(name)
             q, *beside = quantize_int8(weight) if quantization == "int8" else quantize_int4(weight, int4_group_size(quantization))
-            params.update(zip((name.removesuffix("kernel") + leaf for leaf in ("scales", "mins")), beside))
+            params.update(zip((name[: name.rindex(".") + 1] + leaf for leaf in ("scales", "mins")), beside))
             params[name] = pack_weight(q) if pack else q
     return params
 
@@ -118,14 +139,19 @@ def quantized_leaves(quantization: str, k: int, n: int) -> dict[str, tuple[tuple
     return {"kernel": ((k // 2, n), jnp.uint8), "scales": (groups, jnp.float32), "mins": (groups, jnp.float32)}
 
 
-def declare_stored_4bit(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Module:
-    """`model` (abstract) with each projection that `params` holds in 4-bit form (a `...mins` beside
-    its kernel, as a GGUF file's Q4 tensors are read) declared as those nibbles, scales and mins."""
+def declare_stored(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Module:
+    """`model` (abstract) with each projection, LM head or embedding that `params` holds quantized (a
+    `...scales` beside its kernel, as a GGUF file's quantized tensors are read) declared as that kernel and
+    the scales (and mins) beside it. A quantized embedding is held as its head's kernel [hidden, vocab]
+    (layers/embedding.py), so a tied model's transposed head copy (`tied_head`) is dropped."""
     for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
         prefix = "".join(f"{key}." for key in path)
-        if isinstance(module, Linear) and prefix + "mins" in params:
-            for leaf in ("kernel", "scales", "mins"):
+        weight = "embedding" if isinstance(module, nnx.Embed) else "kernel"
+        if isinstance(module, (Linear, nnx.Embed)) and prefix + "scales" in params:
+            for leaf in (weight, *QUANTIZED_KERNELS[jnp.dtype(params[prefix + weight].dtype)][0]):
                 setattr(module, leaf, nnx.Param(jax.ShapeDtypeStruct(params[prefix + leaf].shape, params[prefix + leaf].dtype)))
+            if weight == "embedding" and getattr(model, "tied_head", None) is not None:
+                model.tied_head = None
     return model
 
 
