@@ -9,12 +9,20 @@ all alike; the median round is reported, with each engine's weight bytes. Qualit
 engine on a held-out English text that ships with the OS (default: the GPL-3 and GFDL-1.3 texts of
 Debian's common-licenses), scored with prompt_logprobs over consecutive `--window`-token windows (each
 window's first token is not scored), and greedy agreement of each engine's continuations with float32's.
+
+With --peer llama.cpp the same prompts also run through llama.cpp on the same GGUF file (llama-cpp-python in
+its peer venv, `python -m cbjax.bench.peers --install llamacpp` once; benchmarks/llamacpp_worker.py: the
+sequences batched in one context, greedy, EOS ignored), one process per round in the same rotation.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,13 +36,55 @@ GGUF = "downloads/SmolLM2-135M-Instruct.Q4_1.gguf"
 ENGINES = ("float32", "int8", "int4", "gguf-as-stored")
 
 
-def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
+LLAMACPP_WORKER = Path(__file__).with_name("llamacpp_worker.py")  # runs in the peer venv: no cbjax there
+
+
+def random_prompts(num_seqs: int, prompt_len: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    prompts = [{"prompt_token_ids": rng.integers(100, 10_000, size=prompt_len).tolist()} for _ in range(num_seqs)]
+    return [rng.integers(100, 10_000, size=prompt_len).tolist() for _ in range(num_seqs)]
+
+
+def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts(num_seqs, prompt_len, seed)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+RSS_PROBE = """
+import resource, sys
+from cbjax import LLM, SamplingParams
+llm = LLM(sys.argv[1], quantization=sys.argv[2] or None, max_num_seqs=16, max_model_len=512)
+llm.generate([{"prompt_token_ids": [100, 200, 300]}], SamplingParams(max_tokens=4), use_tqdm=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def peak_rss_mib(model: str, quantization: str | None) -> float:
+    """Peak resident memory of a fresh process that builds LLM(model) and generates a few tokens (start-up
+    included: reading, converting and packing the weights, compiling the steps)."""
+    done = subprocess.run([sys.executable, "-c", RSS_PROBE, model, quantization or ""], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the RSS probe of {model} exited {done.returncode}: {done.stderr[-2000:]}")
+    return int(done.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
+
+
+def llamacpp_tokens_per_s(gguf: str, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
+    """The same requests through llama.cpp on the GGUF file, in a process of the peer venv."""
+    from cbjax.bench.peers import VENV_ROOT, venv_python
+
+    job = {"gguf": str(Path(gguf).resolve()), "threads": os.cpu_count(),
+           "runs": [{"prompts": random_prompts(num_seqs, prompt_len, seed), "output_len": output_len}]}
+    path = VENV_ROOT / "runs" / f"quantization-llamacpp-{os.getpid()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job))
+    done = subprocess.run([str(venv_python("llamacpp")), "-P", str(LLAMACPP_WORKER), str(path)],
+                          capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"llama.cpp worker exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(lines[-1])["runs"][0]["output_tok_s"]
 
 
 def perplexity(llm: LLM, token_ids: list[int], window: int) -> tuple[float, int]:
@@ -62,6 +112,8 @@ def main() -> None:
     p.add_argument("--texts", nargs="+", default=TEXTS, help="held-out English text files, concatenated")
     p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     p.add_argument("--greedy-tokens", type=int, default=64, help="greedy continuation length for agreement")
+    p.add_argument("--peer", choices=["llama.cpp"], help="also run the speed rounds through llama.cpp on --gguf")
+    p.add_argument("--rss", action="store_true", help="also the peak RSS of each engine's start-up, each in a fresh process")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
@@ -77,17 +129,20 @@ def main() -> None:
 
     rows = []
     for num_seqs in args.num_seqs:
-        runs = {name: [] for name in engines}
+        runs = {name: [] for name in [*engines, *([args.peer] if args.peer else [])]}
         for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
-            for name, llm in engines.items():
-                rate = output_tokens_per_s(llm, num_seqs, args.output_len, args.prompt_len, seed=round_index)
+            for name in runs:
+                rate = (llamacpp_tokens_per_s(args.gguf, num_seqs, args.output_len, args.prompt_len, seed=round_index)
+                        if name == "llama.cpp" else
+                        output_tokens_per_s(engines[name], num_seqs, args.output_len, args.prompt_len, seed=round_index))
                 if round_index:
                     runs[name].append(rate)
         medians = {name: statistics.median(rates) for name, rates in runs.items()}
+        sizes = {**weight_bytes, "llama.cpp": Path(args.gguf).stat().st_size}  # llama.cpp: the whole file
         rows += [{"num_seqs": num_seqs, "weights": name, "output_tok_s": medians[name],
                   "vs_float32": medians[name] / medians["float32"], "weight_bytes_vs_float32":
-                  weight_bytes[name] / weight_bytes["float32"], "rounds": " ".join(f"{r:.0f}" for r in runs[name])}
-                 for name in engines]
+                  sizes[name] / weight_bytes["float32"], "rounds": " ".join(f"{r:.0f}" for r in runs[name])}
+                 for name in runs]
     print_table(rows, ["num_seqs", "weights", "output_tok_s", "vs_float32", "weight_bytes_vs_float32", "rounds"])
 
     tokenizer = engines["float32"].get_tokenizer()
@@ -114,7 +169,12 @@ def main() -> None:
         agreement[name] = {"same_tokens": same, "first_diff": first_diff}
         print(f"greedy agreement of {name} with float32: {same}/{len(prompts) * args.greedy_tokens} tokens; "
               f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
-    write_json(args.result_json, {"speed": rows, "quality": quality, "text_files": args.texts,
+    rss = {}
+    if args.rss:
+        rss = {name: peak_rss_mib(*specs[name]) for name in engines}
+        print("peak RSS of a fresh process's start-up and first tokens, MiB: "
+              + ", ".join(f"{name} {mib:.0f} ({mib / rss['float32']:.2f}x)" for name, mib in rss.items()))
+    write_json(args.result_json, {"speed": rows, "quality": quality, "peak_rss_mib": rss, "text_files": args.texts,
                                   "text_tokens": len(token_ids), "greedy_agreement": agreement,
                                   "weight_bytes": weight_bytes, "options": options})
 

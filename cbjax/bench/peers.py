@@ -1,6 +1,6 @@
 """Side by side with the peers a user would otherwise pick: vLLM's CPU build and transformers `generate`.
 
-    python -m cbjax.bench.peers --install            # once: venvs under $CBJAX_PEER_VENVS (default downloads/peer-venvs, git-ignored)
+    python -m cbjax.bench.peers --install [NAME ...]  # once: venvs under $CBJAX_PEER_VENVS (default downloads/peer-venvs, git-ignored)
     python -m cbjax.bench.peers --num-prompts 32 --input-len 128 --output-len 128 --range-ratio 0.5
     python -m cbjax.bench.peers --systems cbjax vllm --dataset prefix --num-prefixes 4 --prefix-len 512 --question-len 32
 
@@ -38,6 +38,10 @@ PEERS = {
         "uninstall": ["torchvision", "torchaudio", "torchcodec"],
     },
     "transformers": {"install": ["torch==2.13.0", "transformers>=5,<6", "safetensors"], "uninstall": []},
+    # llama.cpp through its Python binding (benchmarks/quantization.py --peer llama.cpp): PyPI has its source
+    # only, so pip builds llama.cpp here (minutes on 2 cores), for this CPU's instruction set.
+    "llamacpp": {"install": ["llama-cpp-python==0.3.36", "numpy"], "uninstall": [], "module": "llama_cpp",
+                 "env": {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"}},
 }
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -49,14 +53,14 @@ def venv_python(name: str) -> pathlib.Path:
 def install(name: str) -> None:
     """Create the peer's venv and pip-install its recipe; a venv that already works is kept."""
     python = venv_python(name)
-    module = "vllm" if name == "vllm" else "transformers"
+    recipe = PEERS[name]
+    module = recipe.get("module", name)
     if python.exists() and subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0:
         print(f"{name}: already installed in {python.parent.parent}")
         return
-    recipe = PEERS[name]
     subprocess.run([sys.executable, "-m", "venv", "--clear", VENV_ROOT / name], check=True)
     subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
-    subprocess.run([python, "-m", "pip", "install", *recipe["install"]], check=True)
+    subprocess.run([python, "-m", "pip", "install", *recipe["install"]], check=True, env=os.environ | recipe.get("env", {}))
     if recipe["uninstall"]:
         subprocess.run([python, "-m", "pip", "uninstall", "-y", *recipe["uninstall"]], check=True)
     print(f"{name}: installed in {python.parent.parent}")
@@ -206,7 +210,7 @@ def run_system(name: str, spec_path: pathlib.Path, out_path: pathlib.Path, timeo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--install", action="store_true", help="create the peers' venvs, then exit")
+    parser.add_argument("--install", nargs="*", choices=list(PEERS), help="create these peers' venvs (none named: all), then exit")
     parser.add_argument("--systems", nargs="+", default=["cbjax", "vllm", "transformers"], choices=list(WORKERS))
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct", help="cbjax checkpoint")
     parser.add_argument("--hf-dir", default="downloads/smollm2-135m-instruct-hf", help="the same weights for the peers")
@@ -248,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.loads(pathlib.Path(args.spec).read_text())
         pathlib.Path(args.out).write_text(json.dumps(WORKERS[args.worker](spec)))
         return
-    if args.install:
-        for name in PEERS:
+    if args.install is not None:
+        for name in args.install or PEERS:
             install(name)
         return
 
