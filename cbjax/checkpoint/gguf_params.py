@@ -65,17 +65,12 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str) -> 
     return params
 
 
-def check_as_stored(model_dir: Path, quantization: str | None, tensor_parallel: bool) -> None:
+def check_as_stored(model_dir: Path, quantization: str | None) -> None:
     """Refuse what a GGUF file served as stored cannot do, naming the way that can."""
     if quantization is not None:
         raise ValueError(
             f"{model_dir} serves a GGUF file whose weights are already quantized; quantization={quantization!r} "
             f"cannot quantize them again: drop quantization=, or quantize a float checkpoint (cbjax import-gguf + convert)"
-        )
-    if tensor_parallel:
-        raise ValueError(
-            f"{model_dir} serves a GGUF file as stored, which runs on one device; for tensor_parallel_size > 1 "
-            f"import it as a float checkpoint (cbjax import-gguf FILE HF_DIR && cbjax convert HF_DIR)"
         )
 
 
