@@ -24,6 +24,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from engine_helpers import COMPILES, CompileCounter  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+from test_gguf_import import QUANT_TYPES, write_tiny_llama_gguf  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 from cbjax import LLM, SamplingParams  # noqa: E402
@@ -31,6 +33,7 @@ from cbjax.sampling_params import StructuredOutputsParams  # noqa: E402
 from cbjax.checkpoint.params import expected_params, param_name  # noqa: E402
 from cbjax.worker.compilation.abstract_lowering import abstract_runner, argument_shardings, num_partitions  # noqa: E402
 from cbjax.plan.capacity import load_model_config  # noqa: E402
+from cbjax.checkpoint.gguf_import import write_as_stored_dir  # noqa: E402
 from cbjax.checkpoint.layout import PARAMS_DIR  # noqa: E402
 from cbjax.checkpoint.loader import _restore_orbax  # noqa: E402
 from cbjax.models.config import ModelConfig  # noqa: E402
@@ -247,12 +250,23 @@ def restored_shard_shapes(ckpt: Path, tp: int) -> dict[str, list]:
     return {name: sorted({tuple(s.data.shape) for s in array.addressable_shards}) for name, array in params.items()}
 
 
-def refusal(ckpt: Path, tp: int) -> str:
+def refusal(ckpt: Path, tp: int, **options) -> str:
     try:
-        LLM(str(ckpt), tensor_parallel_size=tp, **ENGINE_OPTIONS)
+        LLM(str(ckpt), tensor_parallel_size=tp, **ENGINE_OPTIONS, **options)
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def tiny_gguf_as_stored(root: Path, down_type: GGMLQuantizationType) -> Path:
+    """A tiny llama GGUF (test_gguf_import's: hidden 64, intermediate 96) served as stored: q/k/v, o and
+    gate/up Q4_0/Q4_1 (kept 4-bit, groups of 32), down_proj `down_type`, the embedding Q8_0."""
+    four_bit = {"attn_q.weight": GGMLQuantizationType.Q4_0, "attn_k.weight": GGMLQuantizationType.Q4_1,
+                "attn_v.weight": GGMLQuantizationType.Q4_0, "attn_output.weight": GGMLQuantizationType.Q4_1,
+                "ffn_gate.weight": GGMLQuantizationType.Q4_1, "ffn_up.weight": GGMLQuantizationType.Q4_0}
+    root.mkdir()
+    write_tiny_llama_gguf(root / "tiny.gguf", quant_types={**QUANT_TYPES, **four_bit, "ffn_down.weight": down_type})
+    return write_as_stored_dir(root / "tiny.gguf", root / "stored")
 
 
 def main() -> None:
@@ -263,6 +277,7 @@ def main() -> None:
     qwen3 = make_tiny_checkpoint(tmp / "qwen3", "qwen3", num_key_value_heads=1)  # qk-norm, head_dim 32
     olmo2 = make_tiny_checkpoint(tmp / "olmo2", "olmo2", num_key_value_heads=1)  # k_norm over a repeated KV head
     gemma3 = make_tiny_checkpoint(tmp / "gemma3", "gemma3_text", head_dim=16)  # local/global layers, windowed
+    gguf = tiny_gguf_as_stored(tmp / "gguf", GGMLQuantizationType.F16)  # down_proj float: its 96 rows split in 48s
     # 8 experts, top 2; Qwen3-MoE's layer 1 dense (tests/helpers_hf.py)
     moe = {family: make_tiny_checkpoint(tmp / family, family) for family in ("qwen3_moe", "mixtral")}
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
@@ -282,6 +297,8 @@ def main() -> None:
         "expert_parallel_logits": {family: {ep: tp_logits(dirs[1], ep, expert_parallel=True) for ep in (2, 4)}
                                    for family, dirs in moe.items()},
         "int8_logits": {tp: tp_logits(llama[1], tp, quantization="int8") for tp in (1, 2)},
+        "int4_logits": {tp: tp_logits(llama[1], tp, quantization="int4-g32") for tp in (1, 2)},
+        "gguf_logits": {tp: tp_logits(gguf, tp) for tp in (1, 2)},
         "fp8_kv_logits": {tp: tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn)["logits"] for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(tp1),
@@ -295,7 +312,10 @@ def main() -> None:
             # The engine's step under expert parallelism: its MoE shard_maps take whole experts
             "mixtral-ep": {4: abstract_lowering(ModelConfig.from_dir(moe["mixtral"][1]), 4, expert_parallel=True)},
         },
-        "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3)},
+        "refusals": {"too_many_devices": refusal(llama[1], 8), "heads_not_divisible": refusal(llama[1], 3),
+                     # o_proj's 64 inputs in groups of 32: 16 a device at TP=4; the GGUF's Q4_0 down_proj: 96 in groups of 32, 48 at TP=2
+                     "int4_groups_not_whole": refusal(llama[1], 4, quantization="int4-g32"),
+                     "gguf_groups_not_whole": refusal(tiny_gguf_as_stored(tmp / "gguf_q4_down", GGMLQuantizationType.Q4_0), 2)},
     }
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
 

@@ -38,15 +38,19 @@ logger = logging.getLogger(__name__)
 STORED_FORMS = {**{qtype: (4, Q4_GROUP) for qtype in Q4_TYPES}, **{qtype: (8, group) for qtype, group in INT8_GROUPS.items()}}
 
 
-def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
+                     tensor_parallel: bool = False) -> dict[str, np.ndarray]:
     """Every parameter of the model from the GGUF file, our names: quantized projections, embedding and head
     as stored, the rest dequantized to `dtype`; checked against the model (a kept tensor by the float shape
-    it stands for)."""
+    it stands for). Under `tensor_parallel` the embedding and head are dequantized: the vocabulary split
+    takes a float table (as quantize_lm_head, a quantized head is for one device)."""
     reader = GGUFReader(gguf_path)
     architecture_field = reader.fields.get("general.architecture")  # the only key needed: the rest is the tokenizer's
     names = gguf_names({"general.architecture": architecture_field and architecture_field.contents()}, gguf_path)
     slots = {tensor.name: _our_name(hf_tensor_name(tensor.name, names), config) for tensor in reader.tensors}
     stored = _kept_as_stored({tensor.name: tensor.tensor_type for tensor in reader.tensors}, slots)
+    if tensor_parallel:
+        stored = {gguf for gguf in stored if not is_head_or_embedding(slots[gguf])}
     params: dict[str, np.ndarray] = {}
     logical: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # the float tensor each kept one stands for
     kept, dequantized = collections.Counter(), collections.defaultdict(list)
@@ -79,17 +83,12 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str) -> 
     return params
 
 
-def check_as_stored(model_dir: Path, quantization: str | None, tensor_parallel: bool) -> None:
+def check_as_stored(model_dir: Path, quantization: str | None) -> None:
     """Refuse what a GGUF file served as stored cannot do, naming the way that can."""
     if quantization is not None:
         raise ValueError(
             f"{model_dir} serves a GGUF file whose weights are already quantized; quantization={quantization!r} "
             f"cannot quantize them again: drop quantization=, or quantize a float checkpoint (cbjax import-gguf + convert)"
-        )
-    if tensor_parallel:
-        raise ValueError(
-            f"{model_dir} serves a GGUF file as stored, which runs on one device; for tensor_parallel_size > 1 "
-            f"import it as a float checkpoint (cbjax import-gguf FILE HF_DIR && cbjax convert HF_DIR)"
         )
 
 

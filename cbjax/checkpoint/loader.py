@@ -20,6 +20,7 @@ from cbjax.checkpoint.params import abstract_model, check_params, expected_param
 from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
+from cbjax.models.tensor_parallel import check_whole_groups
 from cbjax.models.layers.linear import declare_stored, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 class ShardedPlacement(Protocol):
     """What a load under tensor parallelism asks of the mesh (cbjax.worker.distributed.sharding.TensorParallel)."""
+
+    size: int  # devices
 
     def restore_sharding(self, name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding: ...
 
@@ -55,10 +58,12 @@ def load_model(
     model; KV heads are repeated as it says, and the config returned is the served one.
     fused_projections: the model built with fused_projections=True, its fused kernels made
     from the checkpoint's (not under tensor parallelism, whose column split keeps them apart).
-    quantization: "int8" quantizes every decoder projection here, at load, after fusing (see
-    quantize_linears; with pack_for_cpu, into int8 panels for the C++ matmul). The checkpoint and
-    the weights cache stay float. quantize_lm_head: the LM head (a tied model's embedding) quantized too
-    (quantize_linears' `lm_head`; one device only).
+    quantization: "int8" or "int4..." quantizes every decoder projection here, at load, after fusing (see
+    quantize_linears; with pack_for_cpu, into int8 or nibble panels for the C++ matmul). The checkpoint and
+    the weights cache stay float. Under tensor parallelism, projections quantized in groups (and a GGUF
+    file's quantized ones) must split into whole groups per device (check_whole_groups).
+    quantize_lm_head: the LM head (a tied model's embedding) quantized too (quantize_linears' `lm_head`;
+    one device only).
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
@@ -73,8 +78,8 @@ def load_model(
     # Quantized projections are packed after quantizing (int8 panels), not as floats here.
     arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None)
     if (ckpt_dir / GGUF_FILE).exists():
-        check_as_stored(ckpt_dir, quantization, tensor_parallel is not None)
-        params = read_gguf_params(ckpt_dir / GGUF_FILE, config, model_dtype)
+        check_as_stored(ckpt_dir, quantization)
+        params = read_gguf_params(ckpt_dir / GGUF_FILE, config, model_dtype, tensor_parallel=tensor_parallel is not None)
         if arrange is not None:
             params = arrange[1](params)
     elif (ckpt_dir / PARAMS_DIR).is_dir() and tensor_parallel is None:
@@ -96,6 +101,7 @@ def load_model(
                             quantization=quantization)
     else:
         params = _quantize(tensor_parallel.repeat_kv_heads(params, config), quantization)
+        check_whole_groups(params, config, tensor_parallel.size)  # before any weight is placed
         config = tensor_parallel.serving_config(config)
         place = lambda name, array: jax.device_put(array, tensor_parallel.weight_sharding(name, array.shape))  # noqa: E731
         model = _fill_model(config, model_dtype, params, activation_dtype, place, quantization=quantization)

@@ -12,9 +12,14 @@ take a full head per device. No JAX here: `cbjax plan` and the mesh building bot
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 from cbjax.models.config import ModelConfig
 from cbjax.models.registry import TensorParallelPlan, architecture
+from cbjax.quantization import int4_groups_dividing
 
 
 def tensor_parallel_plan(config: ModelConfig) -> TensorParallelPlan:
@@ -29,6 +34,36 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
 def is_expert_kernel(path: tuple[str, ...]) -> bool:
     """A MoE layer's stacked experts [E, in, out] (`...mlp.experts.gate_proj.kernel`)."""
     return len(path) >= 3 and path[-3] == "experts" and path[-1] == "kernel"
+
+
+def is_group_leaf(leaf: str, shape: tuple[int, ...]) -> bool:
+    """A quantized projection's per-group scales or mins [groups, out] (groups of consecutive input rows)."""
+    return leaf in ("scales", "mins") and len(shape) == 2
+
+
+def check_whole_groups(params: Mapping[str, Any], config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise naming the projection, K, the group size and what would fit unless every row-parallel
+    projection quantized in groups (scales/mins [groups, out] beside a kernel of K input rows: int8
+    [K, out] or 4-bit nibbles [K / 2, out]) gives each of `tensor_parallel_size` devices whole groups.
+    `params`: name -> anything with .shape and .dtype (numpy or jax arrays, jax.ShapeDtypeStructs)."""
+    n, plan = tensor_parallel_size, tensor_parallel_plan(config)
+    for name, scales in params.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not (prefix.rpartition(".")[2] in plan.row_parallel and is_group_leaf(leaf, scales.shape)):
+            continue
+        kernel = params[f"{prefix}.kernel"]
+        k = kernel.shape[0] * (2 if np.dtype(kernel.dtype) == np.uint8 else 1)  # 4-bit: two rows per byte
+        groups = scales.shape[0]
+        if groups % n:
+            sizes = [size for size in valid_tensor_parallel_sizes(config) if groups % size == 0]
+            names = int4_groups_dividing(k // n)
+            raise ValueError(
+                f"{prefix} cannot be split over tensor_parallel_size={n}: its K={k} input rows are in {groups} "
+                f"groups of G={k // groups}, and each device's K / {n} = {k // n} rows must hold whole groups; use a "
+                f"tensor_parallel_size that divides its {groups} groups ({', '.join(map(str, sizes))}), or a group "
+                f"size that divides {k // n}" + (f": quantization={' or '.join(map(repr, names))} of a float checkpoint"
+                                                  if names else "")
+            )
 
 
 def tensor_parallel_problems(config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> list[str]:
@@ -83,10 +118,10 @@ def shard_shape(
         return (*shape[:-1], per_device * config.head_dim)
     if module in plan.column_parallel:
         return (*shape[:-1], shape[-1] // n)
-    if module in plan.row_parallel and name == "kernel":  # [in, out], or a MoE layer's experts [E, in, out]
-        return (*shape[:-2], shape[-2] // n, shape[-1])
+    if module in plan.row_parallel and (name == "kernel" or is_group_leaf(name, shape)):
+        return (*shape[:-2], shape[-2] // n, shape[-1])  # [in, out], a MoE layer's experts [E, in, out], [groups, out]
     if module == "embed_tokens":  # [vocab, hidden]; the vocabulary is padded up to a multiple of N
         return (math.ceil(shape[0] / n), *shape[1:])
     if module == "lm_head":  # [hidden, vocab]
         return (*shape[:-1], math.ceil(shape[-1] / n))
-    return shape  # norms and row-parallel biases: replicated
+    return shape  # norms, row-parallel biases and per-column scales [out]: replicated

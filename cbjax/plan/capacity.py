@@ -4,7 +4,10 @@ Everything comes from the engine's own code: the model's parameters are those th
 (shapes only, nothing allocated, the architecture's registry entry's class), split by the Megatron
 rules of `models/tensor_parallel.py`; the pool's bytes per block are the registry's
 `kv_cache_bytes_per_block`, and its size is `plan_num_blocks` given
-the device's published memory with the weights in use. Presets (cbjax/plan/presets/*.json) are the
+the device's published memory with the weights in use. With a quantization the decoder projections
+count what the engine stores (declare_quantized): "int8" 1 byte a weight and a float32 scale a column,
+"int4-gG" half a byte a weight and a float32 scale and min per G inputs a column; embeddings, the LM head
+and MoE experts stay in dtype. Presets (cbjax/plan/presets/*.json) are the
 Hugging Face config.json files of meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-8B,
 Llama-3.1-70B, Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct, and the mixture-of-experts
 Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1.
@@ -29,9 +32,11 @@ from cbjax.models.config import ModelConfig
 from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.worker.model_runner import kv_cache_dtype
+from cbjax.models.layers.linear import declare_quantized
 from cbjax.models.registry import kv_cache_bytes_per_block, model_class
 from cbjax.models.tensor_parallel import (
     check_tensor_parallel,
+    check_whole_groups,
     kv_heads_per_device,
     shard_shape,
     valid_tensor_parallel_sizes,
@@ -59,6 +64,7 @@ class CapacityPlan:
     tensor_parallel_size: int
     expert_parallel: bool  # a MoE model's experts placed whole on devices, num_experts / tensor_parallel_size each
     dtype: str
+    quantization: str | None  # the decoder projections' (None: in dtype)
     kv_cache_dtype: str
     max_model_len: int
     block_size: int
@@ -99,11 +105,12 @@ def layer_repeats(config: ModelConfig) -> tuple[int, ...]:
     return (config.num_hidden_layers - num_sparse, num_sparse) if num_sparse else (config.num_hidden_layers,)
 
 
-def representative_model(config: ModelConfig, dtype: jnp.dtype) -> nnx.Module:
-    """The abstract model with one layer of each kind: dense, then (a MoE model) sparse."""
+def representative_model(config: ModelConfig, dtype: jnp.dtype, quantization: str | None = None) -> nnx.Module:
+    """The abstract model with one layer of each kind: dense, then (a MoE model) sparse; its projections
+    declared as `quantization` stores them (declare_quantized: int8 with scales, or nibbles with scales and mins)."""
     kinds = dataclasses.replace(config, num_hidden_layers=len(layer_repeats(config)),
                                 sparse_layers=(1,) if config.sparse_layers else ())
-    return nnx.eval_shape(lambda: model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: declare_quantized(model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)), quantization))
 
 
 def _parameter_shards(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False):
@@ -163,22 +170,26 @@ def plan_capacity(
     block_size: int = 16,
     context_len: int | None = None,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> CapacityPlan:
     """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
-    expert, or placed whole with expert_parallel); ValueError if it cannot run."""
+    expert, or placed whole with expert_parallel), its decoder projections quantized as `quantization` says
+    (the weights' bytes are those it stores; parameters are counted unquantized); ValueError if it cannot run."""
     check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
     engine_config = EngineConfig(
         model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
-        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, quantization=quantization,
     )
     engine_config.resolve(config.max_position_embeddings)
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
-    model = representative_model(config, weight_dtype)
+    parameters, active_parameters = parameter_counts(representative_model(config, weight_dtype), config)
+    model = representative_model(config, weight_dtype, quantization)
+    check_whole_groups({".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))},
+                       config, tensor_parallel_size)
     weights = weight_bytes_per_device(model, config, tensor_parallel_size, expert_parallel=expert_parallel)
     expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True,
                                            expert_parallel=expert_parallel)
-    parameters, active_parameters = parameter_counts(model, config)
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
         fitting = [n for n in valid_tensor_parallel_sizes(config, expert_parallel)
@@ -208,6 +219,7 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
+        quantization=quantization,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,
         block_size=block_size,
@@ -251,7 +263,8 @@ def format_plan(plan: CapacityPlan) -> str:
     device, n = plan.device, plan.tensor_parallel_size
     lines = [
         f"{plan.model} on {n} x {device.description} ({gib(device.memory_bytes)}, "
-        f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}, KV cache {plan.kv_cache_dtype}",
+        f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}"
+        + (f" (decoder projections {plan.quantization})" if plan.quantization else "") + f", KV cache {plan.kv_cache_dtype}",
         f"parameters:                    {plan.parameters / 1e9:.2f} B"
         + (f", {plan.active_parameters / 1e9:.2f} B active per token" if plan.active_parameters != plan.parameters else ""),
         f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)"

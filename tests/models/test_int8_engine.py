@@ -105,22 +105,31 @@ def test_int8_panels_by_the_cpp_kernel_give_the_unpacked_jnp_logits(tiny):
     assert (got.argmax(-1) == want.argmax(-1)).all()  # the greedy token at every position
 
 
-def test_int8_steps_lower_for_cuda_at_tp8_from_abstract_weights(tmp_path):
-    # Llama-3-70B's shapes with 2 of its 80 layers; its own process: 8 virtual CPU devices before JAX starts.
+def test_int8_and_int4_steps_lower_for_cuda_at_tp8_from_abstract_weights(tmp_path):
+    # Llama-3-70B's shapes with 2 of its 80 layers; one process for both (8 virtual CPU devices before JAX starts).
     config = (PRESETS_DIR / "llama-3-70b.json").read_text().replace('"num_hidden_layers": 80', '"num_hidden_layers": 2')
     assert '"num_hidden_layers": 2' in config
     (tmp_path / "config.json").write_text(config)
+    args = ["lower", "--config", str(tmp_path), "--tensor-parallel-size", "8", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "16", "--max-model-len", "64", "--quantization"]
     done = subprocess.run(
-        [sys.executable, "-m", "cbjax", "lower", "--config", str(tmp_path), "--tensor-parallel-size", "8",
-         "--quantization", "int8", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--max-model-len", "64"],
+        [sys.executable, "-c", f"from cbjax.entrypoints.cli.main import main; main({args + ['int8']!r}); print('int4'); "
+                               f"main({args + ['int4']!r})"],
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8" in done.stdout
-    steps = [line for line in done.stdout.splitlines() if "partitions" in line]
+    int8, int4 = done.stdout.split("\nint4\n")
+    assert all("lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=8" in out for out in (int8, int4))
+    steps = {name: [line for line in out.splitlines() if "partitions" in line] for name, out in (("int8", int8), ("int4", int4))}
     # Per layer: 5 column-parallel int8 kernels (q/k/v/gate/up) and the LM head split by columns, their
     # 5 scales [out] split like their columns; o/down kernels (and the embedding) split by rows.
-    assert len(steps) == 2 and all(
+    assert len(steps["int8"]) == 2 and all(
         "8 partitions" in line and '11 x [{}, {"model"}]' in line and '10 x [{"model"}]' in line
-        and '5 x [{"model"}, {}]' in line for line in steps
+        and '5 x [{"model"}, {}]' in line for line in steps["int8"]
+    ), steps
+    # int4 (groups of 128): the same kernels as nibbles, plus 5 x 2 scales and mins [groups, out] a layer split
+    # by columns beside them, and o/down's 2 x 2 by groups (8192 / 8 and 28672 / 8 rows: 8 and 28 whole groups).
+    assert len(steps["int4"]) == 2 and all(
+        "8 partitions" in line and '31 x [{}, {"model"}]' in line and '13 x [{"model"}, {}]' in line
+        for line in steps["int4"]
     ), steps

@@ -71,6 +71,40 @@ def test_qwen2_biases_split_with_their_columns():
     assert p.weight_bytes_per_device == 2 * (80 * per_layer + 2 * 152064 // 8 * 8192 + 8192)
 
 
+def test_int8_projections_count_a_byte_a_weight_and_a_float32_scale_a_column():
+    p = plan("llama-3-8b", "h100", 2, max_model_len=8192, quantization="int8")
+    # Per layer and device, each projection int8 with scales [out] in float32: q/k/v and gate/up split by columns
+    # (their scales too), o and down by rows (their 4096 scales whole on each device); norms, embedding, LM head bf16.
+    columns = 4096 * 4096 // 2 + 4 * 4096 // 2 + 2 * (4096 * 1024 // 2 + 4 * 1024 // 2) + 2 * (4096 * 14336 // 2 + 4 * 14336 // 2)
+    rows = 4096 * 4096 // 2 + 4 * 4096 + 14336 * 4096 // 2 + 4 * 4096
+    per_layer = columns + rows + 2 * 2 * 4096
+    assert p.weight_bytes_per_device == 32 * per_layer + 2 * (2 * 128256 * 4096 // 2 + 4096) == 4_544_143_360
+    assert p.quantization == "int8" and p.parameters == plan("llama-3-8b", "h100", 2, max_model_len=8192).parameters
+    assert p.roofline[0].bytes_read == 4_544_143_360 + 8192 * p.kv_bytes_per_token_per_device
+
+
+def test_int4_projections_count_half_a_byte_a_weight_and_a_scale_and_min_a_group():
+    p = plan("llama-3-8b", "h100", 2, max_model_len=8192, quantization="int4")
+    # Nibbles: half a byte a weight; scales and mins, float32, per 128 inputs a column: [in / 128, out], split by
+    # columns beside q/k/v and gate/up, by groups beside o and down (2048 and 7168 rows a device: 16 and 56 groups).
+    def projection(k, n, tp_rows=1, tp_columns=1):
+        return (k // tp_rows) * (n // tp_columns) // 2 + 8 * (k // 128 // tp_rows) * (n // tp_columns)
+    per_layer = (projection(4096, 4096, tp_columns=2) + 2 * projection(4096, 1024, tp_columns=2)
+                 + 2 * projection(4096, 14336, tp_columns=2) + projection(4096, 4096, tp_rows=2)
+                 + projection(14336, 4096, tp_rows=2) + 2 * 2 * 4096)
+    assert p.weight_bytes_per_device == 32 * per_layer + 2 * (2 * 128256 * 4096 // 2 + 4096) == 3_014_139_904
+
+
+def test_cli_plans_int4_and_refuses_groups_that_do_not_split(capsys):
+    main(["plan", "--config", "llama-3-70b", "--device", "h200", "--tensor-parallel-size", "8", "--quantization", "int4-g64"])
+    assert "weights bfloat16 (decoder projections int4-g64), KV cache bfloat16" in capsys.readouterr().out
+    # 64 devices: down_proj's 28672 inputs leave 448 a device, 3.5 groups of 128.
+    with pytest.raises(SystemExit, match=r"model\.layers\.0\.mlp\.down_proj cannot be split over tensor_parallel_size=64: "
+                                         r"its K=28672 input rows are in 224 groups of G=128.* \(1, 2, 4, 8, 16, 32\), or a "
+                                         r"group size that divides 448: quantization='int4-g64' or 'int4-g32' of a float"):
+        main(["plan", "--config", "llama-3-70b", "--device", "h200", "--tensor-parallel-size", "64", "--quantization", "int4"])
+
+
 @pytest.mark.parametrize(
     ("preset", "device", "tp", "options", "message"),
     [

@@ -28,7 +28,8 @@ TESTS = Path(__file__).parents[1]
 def findings() -> dict:
     # Virtual CPU devices by design, also on a GPU host (where JAX would pick its one GPU instead).
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), str(TESTS / "checkpoint"),  # test_gguf_import's writer
+                                           os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(TESTS / "tensor_parallel_checks.py")], env=env, capture_output=True, text=True, timeout=900
     )
@@ -86,6 +87,38 @@ def test_int8_weights_split_with_their_scales_give_tp1_logits(findings):
         assert weights[f"{module}.kernel"]["dtype"] == "int8" and weights[f"{module}.scales"]["dtype"] == "float32"
         assert weights[f"{module}.scales"]["shard_shapes"] == [scales] and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
     assert weights["model.embed_tokens.embedding"]["dtype"] == weights["lm_head.kernel"]["dtype"] == "float32"
+
+
+def test_int4_weights_split_with_their_group_scales_give_tp1_logits(findings):
+    """int4 in groups of 32 (quantization="int4-g32"): nibbles [in / 2, out] split like a float kernel, their
+    scales and mins [in / 32, out] by columns beside q/k/v and gate/up, by whole groups beside o/down (each
+    device's rows hold whole groups), so TP=2 gives TP=1's int4 logits; shard shapes worked by hand."""
+    runs = findings["int4_logits"]
+    np.testing.assert_allclose(np.array(runs["2"]["logits"]), np.array(runs["1"]["logits"]), atol=1e-5, rtol=1e-5)
+    weights = {name.removeprefix("model.layers.0."): w for name, w in runs["2"]["weights"].items()}
+    want = {"self_attn.q_proj": ([2, 32], [32, 32]), "self_attn.k_proj": ([2, 16], [32, 16]), "mlp.up_proj": ([2, 64], [32, 64]),
+            "self_attn.o_proj": ([1, 64], [16, 64]), "mlp.down_proj": ([2, 64], [32, 64])}
+    for module, (groups, kernel) in want.items():
+        assert weights[f"{module}.kernel"]["dtype"] == "uint8" and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
+        assert weights[f"{module}.scales"]["shard_shapes"] == weights[f"{module}.mins"]["shard_shapes"] == [groups]
+
+
+def test_gguf_as_stored_splits_its_4bit_projections_and_gives_tp1_logits(findings):
+    """A tiny GGUF served as stored (Q4_0/Q4_1 q/k/v, o, gate/up kept 4-bit in groups of 32; down_proj F16; the
+    Q8_0 embedding dequantized, as under TP the vocabulary split takes a float table) at TP=2 gives its TP=1
+    logits (which equal its float import's: test_gguf_as_stored.py). Hidden 64, intermediate 96, 4 heads of 16,
+    2 KV heads."""
+    runs = findings["gguf_logits"]
+    want = np.array(runs["1"]["logits"])
+    np.testing.assert_allclose(np.array(runs["2"]["logits"]), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    weights = {name.removeprefix("model.layers.0."): w for name, w in runs["2"]["weights"].items()}
+    want_shards = {"self_attn.q_proj": ([2, 32], [32, 32]), "self_attn.o_proj": ([1, 64], [16, 64]),
+                   "mlp.gate_proj": ([2, 48], [32, 48])}
+    for module, (groups, kernel) in want_shards.items():
+        assert weights[f"{module}.kernel"]["dtype"] == "uint8" and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
+        assert weights[f"{module}.scales"]["shard_shapes"] == weights[f"{module}.mins"]["shard_shapes"] == [groups]
+    assert weights["mlp.down_proj.kernel"]["dtype"] == "float32" and weights["mlp.down_proj.kernel"]["shard_shapes"] == [[48, 64]]
+    assert runs["2"]["weights"]["model.embed_tokens.embedding"]["dtype"] == "float32"
 
 
 def test_fp8_pool_split_over_kv_heads_gives_tp1_logits(findings):
@@ -227,6 +260,12 @@ def test_refuses_what_cannot_work(findings):
     assert "tensor_parallel_size=8" in too_many and "4 present" in too_many and "[1, 2, 4]" in too_many
     assert "tensor_parallel_size=3" in not_divisible and "num_attention_heads=4 is not divisible by 3" in not_divisible
     assert "valid sizes: 1, 2, 4" in not_divisible
+    int4, gguf = findings["refusals"]["int4_groups_not_whole"], findings["refusals"]["gguf_groups_not_whole"]
+    assert ("model.layers.0.self_attn.o_proj cannot be split over tensor_parallel_size=4: its K=64 input rows are in 2 "
+            "groups of G=32, and each device's K / 4 = 16 rows must hold whole groups; use a tensor_parallel_size that "
+            "divides its 2 groups (1, 2), or a group size that divides 16") in int4
+    assert ("model.layers.0.mlp.down_proj cannot be split over tensor_parallel_size=2: its K=96 input rows are in 3 "
+            "groups of G=32") in gguf and "divides its 3 groups (1)" in gguf
 
 
 def test_sampling_from_devices_candidates_equals_one_device_sampler(findings):

@@ -9,6 +9,7 @@ import sys
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     from cbjax.config import KV_CACHE_DTYPES
     from cbjax.plan.accelerators import ACCELERATORS
+    from cbjax.quantization import QUANTIZATIONS
 
     p = sub.add_parser("plan", help="weights, KV capacity and a decode roofline per device under tensor parallelism")
     p.add_argument("--config", required=True, help="a preset (e.g. llama-3-70b), a config.json or a model directory")
@@ -19,6 +20,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's, min(model's limit, 2048)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="the decoder projections' weight-only quantization, as the engine stores it (default: none)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--context-len", type=int, default=None, help="context of every sequence in the roofline (default max_model_len)")
@@ -35,6 +38,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             name, config, accelerator(args.device), args.tensor_parallel_size, max_model_len=args.max_model_len,
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
+            quantization=args.quantization,
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")

@@ -31,6 +31,7 @@ from cbjax.worker.sample.penalty_state import init_penalty_state
 from cbjax.worker.model_runner import ModelRunner
 from cbjax.worker.distributed.sharding import TensorParallel
 from cbjax.models.registry import model_class
+from cbjax.models.tensor_parallel import check_whole_groups
 
 
 def _placed(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
@@ -90,6 +91,9 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
         return model
 
     model = nnx.eval_shape(build)
+    if tensor_parallel is not None:
+        check_whole_groups({param_name(path): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))},
+                           model_config, tensor_parallel.size)
     num_blocks = config.num_kv_blocks or config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
     return AbstractModelRunner(model, model_config, config, num_blocks, "pallas", tensor_parallel)
 

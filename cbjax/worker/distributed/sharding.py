@@ -2,7 +2,9 @@
 
 Megatron-style, by the family's TensorParallelPlan (cbjax.models.registry): q/k/v and gate/up are
 split by output columns (whole heads per device), o and down by input rows (XLA adds one all-reduce
-after each), the embedding and LM head by vocabulary. With expert parallelism a MoE layer's
+after each), the embedding and LM head by vocabulary. A quantized projection's scales (and 4-bit mins)
+go with its kernel: per column [out] with the columns (replicated beside o/down's rows); per group
+[groups, out] by columns, or for o/down by groups, whole groups per device (check_whole_groups). With expert parallelism a MoE layer's
 stacked experts [E, in, out] are split by expert instead (E / size whole experts per device);
 attention and the dense layers stay as above. Which sizes split a model is
 cbjax.models.tensor_parallel's rule (shared with `cbjax plan`).
@@ -30,6 +32,7 @@ from cbjax.models.registry import TensorParallelPlan
 from cbjax.models.tensor_parallel import (
     check_tensor_parallel,
     is_expert_kernel,
+    is_group_leaf,
     tensor_parallel_plan,
     valid_tensor_parallel_sizes,
 )
@@ -105,12 +108,12 @@ class TensorParallel:
         if self.expert_parallel and is_expert_kernel(tuple(parts)):
             return P(MODEL_AXIS, None, None)  # whole experts per device
         stacked = (None,) * (len(shape) - 2) if leaf == "kernel" else ()  # a MoE layer's experts: [E, in, out]
-        if module in self.plan.column_parallel:
-            return P(*stacked, None, MODEL_AXIS) if leaf == "kernel" else P(MODEL_AXIS)
+        if module in self.plan.column_parallel:  # kernels, biases and scales/mins ([out] or [groups, out]) by columns
+            return P(*stacked, None, MODEL_AXIS) if leaf == "kernel" else P(*(None,) * (len(shape) - 1), MODEL_AXIS)
         if module == "lm_head" and self.shard_vocab:
             return P(None, MODEL_AXIS)
-        if module in self.plan.row_parallel and leaf == "kernel":
-            return P(*stacked, MODEL_AXIS, None)
+        if module in self.plan.row_parallel and (leaf == "kernel" or is_group_leaf(leaf, shape)):
+            return P(*stacked, MODEL_AXIS, None)  # input rows; groups of them (check_whole_groups: whole per device)
         if name == "model.embed_tokens.embedding" and self.shard_vocab:
             return P(MODEL_AXIS, None)
         if module == "tied_head" and shape[-1] % self.size == 0:
