@@ -240,7 +240,6 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-
 // ---- int8 groups: w[k, n] = q[k, n] * scales[g, n], g = k / G; scales [N] is one group (G = K) ----
 // q as int8 panels [ceil(N / 32), K, 32], zero columns padding N up to a panel. Per row and group the
 // kernel sums x_k * q (q widened to f32) in registers and multiplies the sum by the group's scales at its
