@@ -11,7 +11,7 @@
 //   y  f32 [rows, N]
 // With bf16 weights x is rounded to bf16 first (to nearest even) and the products summed in
 // f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16). int8 and 4-bit weights are
-// never stored as floats beyond one panel: the stream is a quarter (an eighth) of float32's bytes.
+// widened to f32 in registers and never stored as floats: the stream is a quarter (an eighth) of float32's bytes.
 //
 // Why: in a decode step the projections are skinny (8-64 rows against K x N weights), so they
 // are a stream over the weights. XLA:CPU's dots read them at about half the rate a plain sum
@@ -20,16 +20,14 @@
 // is loaded once per R rows. Panels are claimed from a shared counter by the calling thread
 // and by helper tasks on XLA's intra-op threads (work_sharing.h), as the attention kernel's items are.
 //
-// Quantized panels and the rows: with at most one pass of rows (decode at 1-8 sequences) the pass
-// widens the panel's integers to f32 in registers as it streams them. With more, every pass would
-// widen the same panel again, and that made the quantized kernels instruction-bound (slower than
-// float32 at 16-64 rows, BENCHMARKS.md "Quantized weights on the CPU"): instead the panel is widened
-// once into a per-thread f32 scratch [K, 32] (the small integers, exact) and every pass reads it.
+// Every pass over a quantized panel widens it again, in registers. Widening each panel (or a chunk
+// of it) once into a float32 scratch that all passes read gives the same bits but measured slower at
+// 16-64 rows (`python -m benchmarks.quant_kernels`): the widening in registers hides behind the
+// multiply-adds, while storing the floats and reading them back costs time of its own.
 //
 // Every output row is the same sum in the same order (k = 0, 1, ...; a quantized group's epilogue
-// at the same k) over the same f32 values, whatever the number of rows or the row's place in the
-// batch: a request's result does not depend on its neighbours (speculative decoding's greedy
-// exactness relies on it).
+// at the same k), whatever the number of rows or the row's place in the batch: a request's result
+// does not depend on its neighbours (speculative decoding's greedy exactness relies on it).
 
 #include <algorithm>
 #include <cstdint>
@@ -242,54 +240,25 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-
-// ---- Quantized panels, int8 and 4-bit: one float32 [K, 32] widening per panel when rows > kRows ----
-
-// This thread's float32 scratch of at least `floats`, 64-byte aligned. One per thread: panels run on the
-// calling thread and XLA's intra-op threads, each to its end before the next. It keeps its largest size.
-float* panel_scratch(int64_t floats) {
-  thread_local std::vector<float> scratch;
-  constexpr int64_t kLine = 64 / sizeof(float);
-  if (static_cast<int64_t>(scratch.size()) < floats + kLine) scratch.resize(floats + kLine);
-  const auto address = reinterpret_cast<std::uintptr_t>(scratch.data());
-  return reinterpret_cast<float*>((address + 63) & ~std::uintptr_t{63});
-}
-
-// Every row's product with one quantized panel (K x 32 weights), a pass of at most kRows rows at a time:
-// passes(weights) with the panel itself, or, when there is more than one pass, with the panel widened
-// to float32 once into this thread's scratch by widen(panel, scratch). Re-widening the same panel in
-// registers for every pass of kRows rows made the quantized kernels instruction-bound from about 16
-// rows (`python -m benchmarks.quant_kernels`). The floats are the panel's small integers exactly and
-// each pass multiplies them in the same order whichever it reads, so a row's result is bitwise the
-// same at any number of rows.
-template <typename W, typename Widen, typename Passes>
-void quantized_panel(int64_t rows, int64_t K, const W* panel, Widen widen, Passes passes) {
-  if (rows <= kRows) return passes(panel);
-  float* scratch = panel_scratch(K * kPanel);
-  widen(panel, scratch);
-  passes(static_cast<const float*>(scratch));
-}
-
 // ---- int8 groups: w[k, n] = q[k, n] * scales[g, n], g = k / G; scales [N] is one group (G = K) ----
 // q as int8 panels [ceil(N / 32), K, 32], zero columns padding N up to a panel. Per row and group the
 // kernel sums x_k * q (q widened to f32) in registers and multiplies the sum by the group's scales at its
 // end: y = scales[0] * sum_0, then y = scales[g] * sum_g + y for each further group (one FMA).
 
 #if defined(__AVX512F__)
-// R rows of x (K apart) times one int8 panel or its float widening (W int8_t or float, K x 32
-// contiguous) -> R x 32 outputs, the first `width` at y (rows ldy apart), where a group's sums are added
-// at its end. scales point at the panel's first column (groups N apart).
-template <int R, typename W>
-void pass_i8(const float* x, const W* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
+// R rows of x (K apart) times one int8 panel -> R x 32 outputs, the first `width` at y (rows ldy apart),
+// where a group's sums are added at its end. scales point at the panel's first column (groups N apart).
+template <int R>
+void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
              int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   const __mmask16 low = low_mask(width), high = high_mask(width);
-  const W* wp = panel;
+  const int8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel) {
-      if constexpr (std::is_same_v<W, int8_t>) _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * kPanel), _MM_HINT_T0);
       const __m512 w0 = widen16(wp), w1 = widen16(wp + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -311,12 +280,12 @@ void pass_i8(const float* x, const W* panel, const float* scales, float* y, int6
   }
 }
 #else
-template <int R, typename W>
-void pass_i8(const float* x, const W* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
+template <int R>
+void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
              int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
-  const W* wp = panel;
+  const int8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     float acc[R][kPanel] = {};
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel)
@@ -351,13 +320,8 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   float* out = y->typed_data();
   cbjax_kernels::share_out(pool, w.dimensions()[0], [=](int64_t p) {
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
-    const auto widen = [K](const int8_t* panel, float* scratch) {
-      for (int64_t i = 0; i < K * kPanel; ++i) scratch[i] = panel[i];
-    };
-    quantized_panel(rows, K, q + p * K * kPanel, widen, [&](const auto* weights) {
-      row_passes(rows, [&](int64_t m, auto r) {
-        pass_i8<r.value>(xp + m * K, weights, s + c, out + m * N + c, K, group, N, N, width);
-      });
+    row_passes(rows, [&](int64_t m, auto r) {
+      pass_i8<r.value>(xp + m * K, q + p * K * kPanel, s + c, out + m * N + c, K, group, N, N, width);
     });
   });
   return ffi::Error::Success();
@@ -366,18 +330,10 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // ---- 4-bit groups: w[k, n] = scales[g, n] * q[k, n] + mins[g, n], q in 0..15, g = k / G ----
 // q as nibble panels u8 [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c's q at k = 2s
 // (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. Per row and group the kernel
-// sums x_k * q (q widened to f32) and adds scales * that sum + mins * (the group's sum of x), so weights
-// never exist as floats beyond one panel's widening. The group sums of x are made once per call, in double.
+// sums x_k * q (q widened to f32 in registers) and adds scales * that sum + mins * (the group's sum of
+// x), so weights never exist as floats. The group sums of x are made once per call, in double.
 
-// A nibble panel's K x 32 weights as floats in k order: step s's low nibbles are row 2s, its high ones 2s + 1.
-void widen_nibbles(const uint8_t* panel, int64_t K, float* scratch) {
-  for (int64_t s = 0; s < K / 2; ++s)
-    for (int64_t c = 0; c < kPanel; ++c) {
-      const uint8_t byte = panel[s * kPanel + c];
-      scratch[2 * s * kPanel + c] = byte & 0x0f;
-      scratch[(2 * s + 1) * kPanel + c] = byte >> 4;
-    }
-}
+constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), beside 4 weight vectors
 
 #if defined(__AVX512F__)
 // Columns 16h..16h+15 of a step: their bytes widened to 32-bit lanes, the low nibbles (k = 2s) and the high ones
@@ -388,38 +344,28 @@ inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 
-// Step s of a nibble panel or of its widening (widen_nibbles): columns 0-15 and 16-31 at k = 2s (lo) and 2s + 1 (hi).
-inline void load_q4_step(const uint8_t* panel, int64_t s, __m512 (&lo)[2], __m512 (&hi)[2]) {
-  load_nibbles(panel + s * kPanel, lo[0], hi[0]);
-  load_nibbles(panel + s * kPanel + 16, lo[1], hi[1]);
-}
-inline void load_q4_step(const float* widened, int64_t s, __m512 (&lo)[2], __m512 (&hi)[2]) {
-  const float* row = widened + 2 * s * kPanel;
-  lo[0] = _mm512_loadu_ps(row), lo[1] = _mm512_loadu_ps(row + 16);
-  hi[0] = _mm512_loadu_ps(row + kPanel), hi[1] = _mm512_loadu_ps(row + kPanel + 16);
-}
-
-// R rows of x (K apart; their group sums `groups` apart) times one nibble panel or its widening (W uint8_t
-// or float) -> R x 32 outputs, the first `width` at y (rows ldy apart), which holds the sum over the groups
-// done so far: a group's sums stay in registers and are added to y at its end. scales/mins point at the
-// panel's first column (rows N apart).
-template <int R, typename W>
-void pass_q4(const float* x, const float* x_sums, const W* panel, const float* scales, const float* mins,
+// R rows of x (K apart; their group sums `groups` apart) times one nibble panel -> R x 32 outputs,
+// the first `width` at y (rows ldy apart), which holds the sum over the groups done so far: a group's
+// sums stay in registers and are added to y at its end. scales/mins point at the panel's first column (rows N apart).
+template <int R>
+void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
              float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
-  const __mmask16 low = low_mask(width), high = high_mask(width);
+  const __mmask16 low = width >= 16 ? 0xffff : (1u << width) - 1;
+  const __mmask16 high = width >= 32 ? 0xffff : width <= 16 ? 0 : (1u << (width - 16)) - 1;
+  const uint8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
-      if constexpr (std::is_same_v<W, uint8_t>)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k / 2 + 16) * kPanel), _MM_HINT_T0);
-      __m512 lo[2], hi[2];
-      load_q4_step(panel, k / 2, lo, hi);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * kPanel), _MM_HINT_T0);
+      __m512 lo0, hi0, lo1, hi1;
+      load_nibbles(wp, lo0, hi0);
+      load_nibbles(wp + 16, lo1, hi1);
       for (int r = 0; r < R; ++r) {
         const __m512 x0 = _mm512_set1_ps(x[r * K + k]), x1 = _mm512_set1_ps(x[r * K + k + 1]);
-        acc[r][0] = _mm512_fmadd_ps(x1, hi[0], _mm512_fmadd_ps(x0, lo[0], acc[r][0]));
-        acc[r][1] = _mm512_fmadd_ps(x1, hi[1], _mm512_fmadd_ps(x0, lo[1], acc[r][1]));
+        acc[r][0] = _mm512_fmadd_ps(x1, hi0, _mm512_fmadd_ps(x0, lo0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(x1, hi1, _mm512_fmadd_ps(x0, lo1, acc[r][1]));
       }
     }
     const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
@@ -435,24 +381,18 @@ void pass_q4(const float* x, const float* x_sums, const W* panel, const float* s
   }
 }
 #else
-// q at (k, c) of a nibble panel or of its widening.
-inline float q4_at(const uint8_t* panel, int64_t k, int64_t c) {
-  const uint8_t byte = panel[k / 2 * kPanel + c];
-  return k % 2 ? byte >> 4 : byte & 0x0f;
-}
-inline float q4_at(const float* widened, int64_t k, int64_t c) { return widened[k * kPanel + c]; }
-
-template <int R, typename W>
-void pass_q4(const float* x, const float* x_sums, const W* panel, const float* scales, const float* mins,
+template <int R>
+void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
              float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
+  const uint8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     float acc[R][kPanel] = {};
-    for (int64_t k = g * group; k < (g + 1) * group; k += 2)
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel)
       for (int r = 0; r < R; ++r) {
         const float x0 = x[r * K + k], x1 = x[r * K + k + 1];
-        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * q4_at(panel, k, c) + x1 * q4_at(panel, k + 1, c);
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * float(wp[c] & 0x0f) + x1 * float(wp[c] >> 4);
       }
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < width; ++c)
@@ -489,13 +429,15 @@ ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const float *s = scales.typed_data(), *m = mins.typed_data(), *xs = x_sums.data();
   float* out = y->typed_data();
   cbjax_kernels::share_out(pool, wd[0], [=](int64_t p) {
+    const uint8_t* panel = q + p * (K / 2) * kPanel;
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
-    const auto widen = [K](const uint8_t* panel, float* scratch) { widen_nibbles(panel, K, scratch); };
-    quantized_panel(rows, K, q + p * (K / 2) * kPanel, widen, [&](const auto* weights) {
-      row_passes(rows, [&](int64_t r, auto n) {
-        pass_q4<n.value>(xp + r * K, xs + r * groups, weights, s + c, m + c, out + r * N + c, K, group, N, N, width);
+    int64_t r = 0;
+    for (; r + kRowsQ4 <= rows; r += kRowsQ4)
+      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
+    if (r < rows)
+      with_rows<kRowsQ4>(rows - r, [&](auto n) {
+        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
       });
-    });
   });
   return ffi::Error::Success();
 }

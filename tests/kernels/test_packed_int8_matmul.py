@@ -5,8 +5,8 @@ x * q is exact in a float32 FMA, K sums of rounded adds are off by at most K * 2
 scale multiply rounds once more, so (K + 2) * 2^-24 * (|x| @ |w|). Per group: a group's sum is off by at
 most (G + 1) * 2^-24 of its sum|x q| (+1: the reference's dot may round each product), its scale multiply
 rounds once and adding the groups `groups` - 1 times more, so (G + groups + 2) * 2^-24 * (|x| @ |w|).
-Sizes cover rows 0, 1, one short of, at and past a pass of rows, 16 and 64 (the widened-panel passes),
-K of 1 and odd, K = G, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's)."""
+Sizes cover rows 0, 1, one short of, at and past a pass of rows, 16 and 64 (passes of 8 rows over each
+panel), K of 1 and odd, K = G and G of 16, 32, 96, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ SHAPES = [(1, 1, 1), (0, 5, 33), (1, 576, 960), (7, 33, 31), (9, 127, 65), (17, 
           ((2, 3), 64, 40)]
 # rows, K, G, N
 GROUP_SHAPES = [(1, 32, 32, 32), (0, 64, 32, 33), (1, 576, 32, 960), (7, 96, 16, 31), (9, 128, 32, 65),
-                (16, 256, 16, 96), (64, 512, 32, 100), ((2, 3), 64, 32, 40)]
+                (16, 256, 16, 96), (64, 512, 32, 100), (24, 384, 96, 70), ((2, 3), 64, 32, 40)]
 
 
 def int8_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, n: int):
@@ -75,11 +75,11 @@ def test_per_column_scales_are_the_one_group_case_bit_for_bit():
                                       np.asarray(kernel(x[:rows], packed, scales[None])))
 
 
-@pytest.mark.parametrize("group", [None, 32], ids=["per-column", "groups-of-32"])
+@pytest.mark.parametrize("group", [None, 32, 96], ids=["per-column", "groups-of-32", "groups-of-96"])
 def test_each_row_is_the_same_sum_whatever_the_batch(group):
     """A request's product does not depend on how many rows share its step or where it sits: each row of a
-    64-row call (its panels widened to floats once, then passes of 8) equals, bit for bit, that row alone
-    (the panel widened in registers) and that row at the head of a shorter batch."""
+    64-row call (eight passes of 8 rows over each panel) equals, bit for bit, that row alone (a pass of one
+    row) and that row at the head of a shorter batch (whose passes start elsewhere)."""
     rng = np.random.default_rng()
     if group is None:
         x, q, scales, _, _ = int8_product(rng, 64, 384, 100)

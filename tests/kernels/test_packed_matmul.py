@@ -110,7 +110,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
-    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 and 4-bit panels too."""
+    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group) and 4-bit ones too."""
     import kernels_cpu.build as kernel_build
 
     if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
@@ -135,6 +135,14 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(q), scales)
         assert_product(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), k)
+    for rows, k, group, n in [(1, 32, 32, 31), (9, 576, 32, 96), (17, 64, 16, 40)]:  # int8 with group scales [K / G, N]
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+        scales = rng.uniform(-0.03, 0.03, (k // group, n)).astype(np.float32)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(q), scales)
+        assert_product(out, x.astype(np.float64) @ (q * np.repeat(scales.astype(np.float64), group, 0)), k)
     jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
                                 platform="cpu")
     for rows, k, n in [(1, 64, 31), (9, 576, 96), (6, 128, 40)]:

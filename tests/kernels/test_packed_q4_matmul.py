@@ -5,8 +5,8 @@ against numpy in float64 on the dequantized weight q * scales + mins, and int4 q
 The bound is derived: a group's sum of x_k * q_k (q a small integer) rounds once per FMA, so it is off by
 at most G * 2^-24 * sum|x q|; the scale and min FMAs, the group sum of x and the sum over groups add at most
 2 * groups + 4 roundings more, so |error| <= (2G + 2 groups + 4) * 2^-24 * (|x| @ (q |scales| + |mins|))
-(2G: the reference sums x in float32 too). Shapes cover rows 0, 1, short of a pass of 8 and a tail, 64 (decode:
-the widened-panel passes), K = G and many groups, N of 1, short of and past a panel."""
+(2G: the reference sums x in float32 too). Shapes cover rows 0, 1, short of a pass of 8 and a tail, 64 (decode),
+K = G and many groups, N of 1, short of and past a panel."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ kernel = jax.jit(packed_matmul_cpu)
 reference = jax.jit(packed_matmul_reference)
 # rows, K, G, N
 SHAPES = [(1, 32, 32, 32), (0, 64, 32, 33), (1, 576, 32, 960), (7, 128, 128, 31), (64, 256, 128, 100),
-          (5, 512, 32, 1), ((2, 3), 64, 32, 40)]
+          (24, 384, 192, 40), (5, 512, 32, 1), ((2, 3), 64, 32, 40)]
 
 
 def q4_product(rng: np.random.Generator, rows, k: int, group: int, n: int):
@@ -50,11 +50,12 @@ def test_q4_kernel_and_its_reference_match_float64_within_the_derived_bound(rows
         assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
 
 
-def test_each_row_is_the_same_sum_whatever_the_batch():
+@pytest.mark.parametrize("group", [32, 192])
+def test_each_row_is_the_same_sum_whatever_the_batch(group):
     """A request's product does not depend on how many rows share its step or where it sits: each row of a
-    64-row call (its panels widened to floats once, then passes of 8) equals, bit for bit, that row alone
-    (the nibbles widened in registers) and that row at the head of a shorter batch."""
-    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 64, 256, 32, 70)
+    64-row call (eight passes of 8 rows over each panel) equals, bit for bit, that row alone (a pass of one
+    row) and that row at the head of a shorter batch (whose passes start elsewhere)."""
+    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 64, 384, group, 70)
     packed = pack_weight(nibbles)
     whole = np.asarray(kernel(x, packed, scales, mins))
     alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales, mins))[0] for row in range(64)])
