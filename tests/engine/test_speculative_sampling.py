@@ -74,8 +74,10 @@ def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     the chi-square distribution holds."""
     expected = counts.sum() * probs
     small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
+    observed, expected = counts[~small], expected[~small]
+    if small.any():
+        observed = np.append(observed, counts[small].sum())
+        expected = np.append(expected, counts.sum() * probs[small].sum())
     statistic = ((observed - expected) ** 2 / expected).sum()
     # the chi-square survival function: the regularized upper incomplete gamma function
     return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64),
@@ -86,7 +88,7 @@ def test_sampled_tokens_with_ngram_drafts_are_distributed_as_the_target(tiny_voc
     hf_dir, checkpoint = tiny_vocab
     prompt = [3] + hf_greedy(hf_dir, [3], 19)
     # 4 rows (speculation stays on up to disable_by_batch_size 4) and 12-token steps: four compiled
-    # steps, the decode, the prompt chunk, and verifying 1 and 2-4 requests' drafts.
+    # steps, the decode, 1 and 2 requests verifying, and 12 tokens (prompt chunks, up to 4 verifying).
     llm = LLM(str(checkpoint), max_num_seqs=4, max_model_len=32, max_num_batched_tokens=12, block_size=8,
               num_kv_blocks=24, dtype="float32", max_logprobs=VOCAB,  # the default 20 exceeds the vocabulary
               speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
