@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from engine_helpers import COMPILES, CompileCounter  # noqa: E402
+from engine_helpers import COMPILES, CompileCounter, random_prompts  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from test_gguf_import import QUANT_TYPES, write_tiny_llama_gguf  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
@@ -127,6 +127,31 @@ def serve(arch: str, ckpt: Path, tp: int, compiles: CompileCounter, attention_ba
         "compiles_while_serving": compiles.count,
         "backend": llm.llm_engine.backend,
         "tensor_parallel_size": llm.llm_engine.config.tensor_parallel_size,
+    }
+
+
+def speculative_serve(ckpt: Path, tp1: LLM, compiles: CompileCounter) -> dict:
+    """Greedy with n-gram drafts at TP=2 (the C++ kernel) and TP=1's tokens without drafts, on prompts
+    that repeat themselves (drafts get accepted), chunked (longer than the 8-token steps); the
+    compiles while the TP=2 engine serves them. Two rows, k=3 and 8-token steps: three compiled steps
+    (a decode, one request verifying, and the rest: prompt chunks, two requests verifying)."""
+    prompts = [(base * 12)[:length] for base, length in zip(random_prompts(7, [5, 7, 3]), [23, 40, 17])]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(ckpt), tensor_parallel_size=2, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=8,
+              block_size=8, num_kv_blocks=40, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    before, compiles.armed = compiles.count, True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    compiles.armed = False
+    tp1_outs = tp1.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.get_stats()
+    return {
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+        "tp1_token_ids": [o.outputs[0].token_ids for o in tp1_outs],
+        "tensor_parallel_size": llm.llm_engine.config.tensor_parallel_size,
+        "num_draft_tokens": stats["spec_decode_num_draft_tokens"],
+        "num_accepted_tokens": stats["spec_decode_num_accepted_tokens"],
+        "compiles_while_serving": compiles.count - before,
     }
 
 
@@ -302,6 +327,7 @@ def main() -> None:
         "fp8_kv_logits": {tp: tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn)["logits"] for tp in (1, 2)},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(tp1),
+        "speculative": speculative_serve(llama[1], tp1, compiles),
         "tp1_constrained": constrained_outputs(tp1),
         "sharded_sampling": sharded_sampling(),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),

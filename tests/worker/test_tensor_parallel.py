@@ -62,6 +62,17 @@ def test_no_compiles_while_serving_under_tp(findings):
     assert findings["llama"]["4"]["compiles_while_serving"] == 0
 
 
+def test_ngram_speculation_at_tp2_gives_tp1_greedy_tokens_without_compiling(findings):
+    """Drafts verified in steps whose weights are split over 2 devices (chunked prompts beside them):
+    the tokens of TP=1 decoding one at a time, some drafts accepted and some rejected, no compile while
+    serving (the verifying steps are among the buckets compiled at start-up)."""
+    run = findings["speculative"]
+    assert run["tensor_parallel_size"] == 2
+    assert run["token_ids"] == run["tp1_token_ids"]
+    assert 0 < run["num_accepted_tokens"] < run["num_draft_tokens"]
+    assert run["compiles_while_serving"] == 0
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "olmo2", "gemma3"])
 def test_dense_families_split_over_4_devices_give_tp1_logits(findings, family):
     """Qwen2's biases, Qwen3's q/k norms over one KV head repeated 4x, OLMo-2's whole-projection norms,
