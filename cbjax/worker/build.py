@@ -21,6 +21,7 @@ from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.attention import resolve_backend
+from cbjax.models.layers.linear import float_equivalent_bytes
 from cbjax.models.layers.lora import attach_lora
 from cbjax.models.registry import kv_cache_bytes_per_block
 from cbjax.worker.compilation.compile_cache import enable_compile_cache
@@ -126,7 +127,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         device=device,
-        weights_bytes=sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(nnx.state(model))),
+        weights_bytes=float_equivalent_bytes(_flat_state(model), dtype),  # quantized: the pool of the float model
         reserved_bytes=reserved_bytes,
     )
     runner = ModelRunner(model, mc, config, num_blocks, backend, tensor_parallel)
@@ -138,3 +139,8 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     if precompile and isinstance(drafter, DraftModelProposer):
         drafter.precompile(progress=progress)
     return Worker(runner, mc, device.platform, step_broadcast, drafter)
+
+
+def _flat_state(model: nnx.Module) -> dict:
+    """Every array of the model's state by dotted path."""
+    return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}

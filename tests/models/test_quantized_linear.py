@@ -44,3 +44,26 @@ def test_an_int4_group_that_does_not_divide_a_width_is_refused_naming_the_names_
         quantize_linears({"model.layers.0.mlp.down_proj.kernel": np.zeros((576, 8), np.float32)}, "int4")
     params = quantize_linears({"model.layers.0.mlp.down_proj.kernel": np.zeros((576, 8), np.float32)}, "int4-g64")
     assert params["model.layers.0.mlp.down_proj.mins"].shape == (576 // 64, 8)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_quantized_model_counts_as_the_float_model_it_stands_for(quantization, pack):
+    """The CPU KV pool is sized from the model's float bytes (core/kv/sizing.py): quantizing the projections (or
+    the tied embedding-head, `lm_head`) must not shrink it. Before, an int8 engine got 0.4x float32's pool and
+    preempted at 64 sequences."""
+    from cbjax.models.layers.linear import float_equivalent_bytes
+
+    rng = np.random.default_rng(0)
+    float_params = {"model.layers.0.mlp.down_proj.kernel": rng.normal(size=(96, 64)).astype(np.float32),
+                    "model.layers.0.self_attn.qkv_proj.kernel": rng.normal(size=(64, 160)).astype(np.float32),
+                    "model.embed_tokens.embedding": rng.normal(size=(100, 64)).astype(np.float32),
+                    "model.norm.scale": np.ones(64, np.float32)}
+    want = sum(array.nbytes for array in float_params.values())
+    params = quantize_linears(dict(float_params), quantization, pack=pack, lm_head=True)
+    assert params["model.layers.0.mlp.down_proj.kernel"].dtype != np.float32  # quantized, really
+    assert params["model.embed_tokens.embedding"].dtype != np.float32
+    assert sum(np.asarray(a).nbytes for a in params.values()) < want / 2
+    assert float_equivalent_bytes(params, jnp.float32) == want
+    assert float_equivalent_bytes(params, jnp.bfloat16) == want - sum(
+        float_params[n].nbytes // 2 for n in float_params if n != "model.norm.scale")

@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 
 # XLA:CPU has no device memory to measure, so the default pool follows the model: half the bytes
 # of its weights (a 135M float32 model gets 270 MB, not a fixed 2 GiB), at most CPU_MAX_KV_BYTES.
+# Quantized weights count as the float ones they stand for (models/layers/linear.float_equivalent_bytes):
+# a smaller pool would preempt more and lose the speed the quantization bought.
 CPU_KV_SHARE_OF_WEIGHTS = 0.5
 CPU_MAX_KV_BYTES = 2 << 30
 # The request length the start-up log line counts concurrency in, besides max_model_len.

@@ -80,6 +80,24 @@ def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[s
     return params
 
 
+def float_equivalent_bytes(params: dict[str, Array], dtype: jnp.dtype) -> int:
+    """The bytes of `params` with every quantized kernel (int8 or 4-bit, packed or not, a quantized embedding
+    too) counted as the [in, out] float kernel of `dtype` it stands for, and its scales and mins not at all:
+    the size of the model, whatever its weights' compression (the CPU pool follows it: core/kv/sizing.py)."""
+    total = 0
+    for name, array in params.items():
+        prefix, _, leaf = name.rpartition(".")
+        quantized = array.dtype in QUANTIZED_KERNELS and f"{prefix}.scales" in params
+        if leaf in ("scales", "mins") and (f"{prefix}.kernel" in params or f"{prefix}.embedding" in params):
+            continue
+        if not quantized:
+            total += array.nbytes
+            continue
+        k = array.shape[-2] if array.ndim == 3 else array.shape[0]  # panels [P, K(/2), 32] or [K(/2), N]
+        total += k * (2 if array.dtype == jnp.uint8 else 1) * params[f"{prefix}.scales"].shape[-1] * jnp.dtype(dtype).itemsize
+    return total
+
+
 def is_quantized_projection(kernel_name: str, shape: tuple[int, ...]) -> bool:
     """Whether `quantization=` quantizes this kernel: a decoder layer's [in, out] projection (fused or
     not). Embeddings, the LM head and a MoE layer's stacked experts [E, in, out] stay float."""
