@@ -32,8 +32,8 @@ def decode(ctx, batch, entries: list[tuple[int, int, int, bool]]) -> None:
 def run(model, n_vocab: int, threads: int, prompts: list[list[int]], output_len: int) -> dict:
     num_seqs = len(prompts)
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx = num_seqs * (max(map(len, prompts)) + output_len + 16)
-    params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
+    params.n_ctx = max(512, num_seqs * (max(map(len, prompts)) + output_len + 16))
+    params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))  # the prompts in one decode
     params.n_seq_max = num_seqs
     params.n_threads = params.n_threads_batch = threads
     params.kv_unified = False  # each sequence its own cache stream: no shared prefixes here

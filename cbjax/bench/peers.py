@@ -39,9 +39,14 @@ PEERS = {
     },
     "transformers": {"install": ["torch==2.13.0", "transformers>=5,<6", "safetensors"], "uninstall": []},
     # llama.cpp through its Python binding (benchmarks/quantization.py --peer llama.cpp): PyPI has its source
-    # only, so pip builds llama.cpp here (minutes on 2 cores), for this CPU's instruction set.
+    # only, so pip builds llama.cpp here (minutes on 2 cores). AVX-512 (VNNI, BF16) but no AMX: a native build
+    # on this project's CPU machines (amx_tile listed) faulted in ldtilecfg, so the instruction sets are named.
     "llamacpp": {"install": ["llama-cpp-python==0.3.36", "numpy"], "uninstall": [], "module": "llama_cpp",
-                 "env": {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"}},
+                 "env": {"CMAKE_ARGS": " ".join([
+                     "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                     "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+                     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF"])}},
 }
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
 
