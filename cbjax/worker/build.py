@@ -93,6 +93,9 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         quantize_lm_head=config.quantize_lm_head,
     )
     config.resolve(mc.max_position_embeddings)
+    if config.max_logprobs > mc.vocab_size:  # a step's top-k cannot return more than the vocabulary
+        logger.info("max_logprobs=%d is more than the vocabulary: %d", config.max_logprobs, mc.vocab_size)
+        config.max_logprobs = mc.vocab_size
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
         if tensor_parallel is not None and tensor_parallel.kv_repeats > 1:
             raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size} above the model's "

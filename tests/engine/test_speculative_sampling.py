@@ -90,7 +90,7 @@ def test_sampled_tokens_with_ngram_drafts_are_distributed_as_the_target(tiny_voc
     # 4 rows (speculation stays on up to disable_by_batch_size 4) and 12-token steps: four compiled
     # steps, the decode, 1 and 2 requests verifying, and 12 tokens (prompt chunks, up to 4 verifying).
     llm = LLM(str(checkpoint), max_num_seqs=4, max_model_len=32, max_num_batched_tokens=12, block_size=8,
-              num_kv_blocks=24, dtype="float32", max_logprobs=VOCAB,  # the default 20 exceeds the vocabulary
+              num_kv_blocks=24, dtype="float32",  # max_logprobs 20 > VOCAB: capped to the vocabulary
               speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 3, "disable_by_batch_size": 4})
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
