@@ -2,9 +2,9 @@
 
 Speed: decode-heavy requests (short random prompts, `--output-len` tokens each, EOS ignored) at each
 `--num-seqs`, output tokens/s of the float32 engine (projections packed for the C++ matmul), the
-quantization="int8" and "int4" engines (int8 / 4-bit panels) and the `--gguf` file served as stored
-(its Q4_1 projections as 4-bit panels; for the built-in model, the file the float32 checkpoint was
-imported from), alternated round by round in one process so that load from other processes falls on
+quantization="int8" and "int4" engines (int8 / 4-bit panels), int8 with quantize_lm_head (the tied
+embedding-head int8 too) and the `--gguf` file served as stored (its Q4_1 projections as 4-bit panels, its
+Q8_0 embedding-head as int8 groups; for the built-in model, the file the float32 checkpoint was imported from), alternated round by round in one process so that load from other processes falls on
 all alike; the median round is reported, with each engine's weight bytes. Quality: perplexity of each
 engine on a held-out English text that ships with the OS (default: the GPL-3 and GFDL-1.3 texts of
 Debian's common-licenses), scored with prompt_logprobs over consecutive `--window`-token windows (each
@@ -33,7 +33,7 @@ from cbjax.bench.common import print_table, write_json
 
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3"]
 GGUF = "downloads/SmolLM2-135M-Instruct.Q4_1.gguf"
-ENGINES = ("float32", "int8", "int4", "gguf-as-stored")
+ENGINES = ("float32", "int8", "int8-lm-head", "int4", "gguf-as-stored")  # int8-lm-head: quantize_lm_head=True too
 
 
 LLAMACPP_WORKER = Path(__file__).with_name("llamacpp_worker.py")  # runs in the peer venv: no cbjax there
@@ -55,16 +55,18 @@ def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: in
 RSS_PROBE = """
 import resource, sys
 from cbjax import LLM, SamplingParams
-llm = LLM(sys.argv[1], quantization=sys.argv[2] or None, max_num_seqs=16, max_model_len=512)
+llm = LLM(sys.argv[1], quantization=sys.argv[2] or None, quantize_lm_head=sys.argv[3] == "1", max_num_seqs=16,
+          max_model_len=512)
 llm.generate([{"prompt_token_ids": [100, 200, 300]}], SamplingParams(max_tokens=4), use_tqdm=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def peak_rss_mib(model: str, quantization: str | None) -> float:
+def peak_rss_mib(model: str, quantization: str | None, lm_head: bool = False) -> float:
     """Peak resident memory of a fresh process that builds LLM(model) and generates a few tokens (start-up
     included: reading, converting and packing the weights, compiling the steps)."""
-    done = subprocess.run([sys.executable, "-c", RSS_PROBE, model, quantization or ""], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", RSS_PROBE, model, quantization or "", "1" if lm_head else "0"],
+                          capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the RSS probe of {model} exited {done.returncode}: {done.stderr[-2000:]}")
     return int(done.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
@@ -117,13 +119,14 @@ def main() -> None:
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
-    specs = {"float32": (args.model, None), "int8": (args.model, "int8"), "int4": (args.model, args.int4),
+    specs = {"float32": (args.model, None), "int8": (args.model, "int8"), "int8-lm-head": (args.model, "int8"),
+             "int4": (args.model, args.int4),
              "gguf-as-stored": (args.gguf, None)}  # name -> (model, quantization=)
     engines = {}
     for name in dict.fromkeys(["float32", *args.weights]):  # float32 first: the baseline of every ratio
         model, quantization = specs[name]
         start = time.perf_counter()
-        engines[name] = LLM(model, quantization=quantization, **options)
+        engines[name] = LLM(model, quantization=quantization, quantize_lm_head=name == "int8-lm-head", **options)
         print(f"{name}: engine built in {time.perf_counter() - start:.0f} s", flush=True)
     weight_bytes = {name: sum(w.nbytes for w in llm.llm_engine.runner.weights) for name, llm in engines.items()}
 
@@ -171,7 +174,7 @@ def main() -> None:
               f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
     rss = {}
     if args.rss:
-        rss = {name: peak_rss_mib(*specs[name]) for name in engines}
+        rss = {name: peak_rss_mib(*specs[name], lm_head=name == "int8-lm-head") for name in engines}
         print("peak RSS of a fresh process's start-up and first tokens, MiB: "
               + ", ".join(f"{name} {mib:.0f} ({mib / rss['float32']:.2f}x)" for name, mib in rss.items()))
     write_json(args.result_json, {"speed": rows, "quality": quality, "peak_rss_mib": rss, "text_files": args.texts,
