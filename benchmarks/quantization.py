@@ -22,7 +22,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -50,26 +49,6 @@ def output_tokens_per_s(llm: LLM, num_seqs: int, output_len: int, prompt_len: in
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
-
-
-RSS_PROBE = """
-import resource, sys
-from cbjax import LLM, SamplingParams
-llm = LLM(sys.argv[1], quantization=sys.argv[2] or None, quantize_lm_head=sys.argv[3] == "1", max_num_seqs=16,
-          max_model_len=512)
-llm.generate([{"prompt_token_ids": [100, 200, 300]}], SamplingParams(max_tokens=4), use_tqdm=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
-
-
-def peak_rss_mib(model: str, quantization: str | None, lm_head: bool = False) -> float:
-    """Peak resident memory of a fresh process that builds LLM(model) and generates a few tokens (start-up
-    included: reading, converting and packing the weights, compiling the steps)."""
-    done = subprocess.run([sys.executable, "-c", RSS_PROBE, model, quantization or "", "1" if lm_head else "0"],
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the RSS probe of {model} exited {done.returncode}: {done.stderr[-2000:]}")
-    return int(done.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
 
 
 def llamacpp_tokens_per_s(gguf: str, num_seqs: int, output_len: int, prompt_len: int, seed: int) -> float:
@@ -115,7 +94,6 @@ def main() -> None:
     p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     p.add_argument("--greedy-tokens", type=int, default=64, help="greedy continuation length for agreement")
     p.add_argument("--peer", choices=["llama.cpp"], help="also run the speed rounds through llama.cpp on --gguf")
-    p.add_argument("--rss", action="store_true", help="also the peak RSS of each engine's start-up, each in a fresh process")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
@@ -172,12 +150,7 @@ def main() -> None:
         agreement[name] = {"same_tokens": same, "first_diff": first_diff}
         print(f"greedy agreement of {name} with float32: {same}/{len(prompts) * args.greedy_tokens} tokens; "
               f"{first_diff.count(None)}/{len(prompts)} continuations identical; first differing positions {first_diff}")
-    rss = {}
-    if args.rss:
-        rss = {name: peak_rss_mib(*specs[name], lm_head=name == "int8-lm-head") for name in engines}
-        print("peak RSS of a fresh process's start-up and first tokens, MiB: "
-              + ", ".join(f"{name} {mib:.0f} ({mib / rss['float32']:.2f}x)" for name, mib in rss.items()))
-    write_json(args.result_json, {"speed": rows, "quality": quality, "peak_rss_mib": rss, "text_files": args.texts,
+    write_json(args.result_json, {"speed": rows, "quality": quality, "text_files": args.texts,
                                   "text_tokens": len(token_ids), "greedy_agreement": agreement,
                                   "weight_bytes": weight_bytes, "options": options})
 
