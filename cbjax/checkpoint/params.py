@@ -7,7 +7,7 @@ orbax checkpoint stores them as the nested dict of those names.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,11 @@ def param_name(path: tuple) -> str:
     return ".".join(str(key) for key in path)
 
 
+def named_arrays(state: nnx.State) -> dict[str, Any]:
+    """Every variable's value in `state` by dotted name (param_name): arrays, or shape structs of an abstract state."""
+    return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
 def expected_params(
     config: ModelConfig, dtype: jnp.dtype, activation_dtype: jnp.dtype | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -62,7 +67,7 @@ def expected_params(
     (activation_dtype changes none of them; pass the one the model is built with to share its build):
     a checkpoint's parameters, so projections unfused."""
     _, state = abstract_split(config, jnp.dtype(dtype), None if activation_dtype is None else jnp.dtype(activation_dtype))
-    return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
+    return named_arrays(nnx.filter_state(state, nnx.Param))
 
 
 def hf_to_params(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> list[tuple[str, np.ndarray, int | None]]:

@@ -29,6 +29,7 @@ from flax import nnx
 
 from cbjax.plan.accelerators import Accelerator
 from cbjax.models.config import ModelConfig
+from cbjax.checkpoint.params import named_arrays
 from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.worker.model_runner import kv_cache_dtype
@@ -185,8 +186,7 @@ def plan_capacity(
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     parameters, active_parameters = parameter_counts(representative_model(config, weight_dtype), config)
     model = representative_model(config, weight_dtype, quantization)
-    check_whole_groups({".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))},
-                       config, tensor_parallel_size)
+    check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
     weights = weight_bytes_per_device(model, config, tensor_parallel_size, expert_parallel=expert_parallel)
     expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True,
                                            expert_parallel=expert_parallel)

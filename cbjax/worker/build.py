@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.params import named_arrays
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
@@ -130,7 +131,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         device=device,
-        weights_bytes=float_equivalent_bytes(_flat_state(model), dtype),  # quantized: the pool of the float model
+        weights_bytes=float_equivalent_bytes(named_arrays(nnx.state(model)), dtype),  # quantized: the pool of the float model
         reserved_bytes=reserved_bytes,
     )
     runner = ModelRunner(model, mc, config, num_blocks, backend, tensor_parallel)
@@ -142,8 +143,3 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     if precompile and isinstance(drafter, DraftModelProposer):
         drafter.precompile(progress=progress)
     return Worker(runner, mc, device.platform, step_broadcast, drafter)
-
-
-def _flat_state(model: nnx.Module) -> dict:
-    """Every array of the model's state by dotted path."""
-    return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}

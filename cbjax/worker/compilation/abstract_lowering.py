@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbjax.checkpoint.params import param_name
+from cbjax.checkpoint.params import named_arrays, param_name
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import declare_quantized
 from cbjax.models.layers.lora import attach_lora
@@ -92,8 +92,7 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
 
     model = nnx.eval_shape(build)
     if tensor_parallel is not None:
-        check_whole_groups({param_name(path): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))},
-                           model_config, tensor_parallel.size)
+        check_whole_groups(named_arrays(nnx.state(model)), model_config, tensor_parallel.size)
     num_blocks = config.num_kv_blocks or config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
     return AbstractModelRunner(model, model_config, config, num_blocks, "pallas", tensor_parallel)
 
