@@ -8,6 +8,8 @@
   skinny projections of decode steps stream the weights at the machine's rate, which XLA:CPU's
   dots do not. int8 panels with float32 scales (quantization="int8") stream a quarter of the bytes,
   4-bit nibble panels with group scales and mins (`quant4.py`: int4, GGUF Q4_0/Q4_1/Q4_K) an eighth.
+  bfloat16 panels multiply on AMX tiles where the CPU has them, with the bf16 dot instruction
+  (vdpbf16ps) elsewhere, widened to float32 without it (`bf16_matmul_path()` says which).
 
 Both are compiled into one library, once per machine, with the system's C++ compiler into a
 cache folder (`build.py`) and registered with XLA as FFI targets (`registry.py`); where they cannot
@@ -17,6 +19,7 @@ be built, `kernel_problem()` says why and the engine serves with the jnp paths i
 from kernels_cpu.attention import ragged_paged_attention_cpu, write_kv_and_attend_cpu
 from kernels_cpu.matmul import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
 from kernels_cpu.registry import (
+    bf16_matmul_path,
     build_hash,
     kernel_problem,
     kernel_registered,
@@ -26,6 +29,7 @@ from kernels_cpu.registry import (
 
 __all__ = [
     "LAYOUT",
+    "bf16_matmul_path",
     "build_hash",
     "kernel_problem",
     "kernel_registered",

@@ -31,12 +31,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define CBJAX_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -227,6 +233,150 @@ ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- bf16 weights on AMX tiles: 16 rows of x times 32 pairs of k per tile multiply ----
+// Where the CPU has AMX (and Linux grants the process its tile state), every bf16 product runs here,
+// whatever its rows: one path for every batch keeps a row's sums independent of its neighbours. A
+// pass is 16 rows (x's padded rows are zeros) by a panel's 32 columns, two accumulator tiles walking
+// down K 16 pairs at a time; pairs past the last whole tile (K not a multiple of 32) are added with
+// the bf16 dot instruction. At a prompt step's hundreds of rows the tiles do 16x the multiply-adds of
+// vdpbf16ps per instruction; at a decode step's few rows the pass streams the panel as the others do
+// (`python -m benchmarks.decode_dots_bandwidth --packed --dtype bfloat16`).
+#if defined(CBJAX_AMX)
+constexpr int64_t kTile = 16;  // rows of x per pass, and pairs of k per tile multiply
+
+// Whether the kernel may use AMX tiles: Linux hands them to a process that asks (arch_prctl), and
+// CBJAX_CPU_AMX=0 keeps them off (the vdpbf16ps path, as on a CPU without AMX).
+bool amx_granted() {
+  static const bool granted = [] {
+    const char* setting = std::getenv("CBJAX_CPU_AMX");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums of two 16-row blocks x the panel's columns 0-15 and 16-31 (16 rows x 16 floats each);
+// 4, 5: the two blocks of x (16 rows x 16 pairs); 6, 7: the panel's 16 pairs of k for columns 0-15 and 16-31.
+// Each loaded tile of x serves both column halves and each tile of the panel both row blocks.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTile;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The sums of tile `t` (16 rows x 16 columns), plus the tail pairs s = whole..steps-1 by vdpbf16ps, for the
+// first `rows` rows: x rows `stride` pairs apart, y rows ldy floats apart.
+template <int T>
+void store_sums(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_t whole, int64_t steps, float* y,
+                int64_t rows, int64_t ldy) {
+  alignas(64) float sums[kTile][16];
+  if constexpr (T == 0) _tile_stored(0, sums, 64);  // (the tile number is part of the instruction)
+  else if constexpr (T == 1) _tile_stored(1, sums, 64);
+  else if constexpr (T == 2) _tile_stored(2, sums, 64);
+  else _tile_stored(3, sums, 64);
+  const int64_t half = (T % 2) * 16;  // this tile's columns within the panel
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc = _mm512_load_ps(sums[r]);
+    for (int64_t s = whole; s < steps; ++s)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[r * stride + s]),
+                             (__m512bh)_mm512_loadu_si512(panel + s * 2 * kPanel + 2 * half));
+    _mm512_storeu_ps(y + r * ldy + half, acc);
+  }
+}
+
+// R = 1 or 2 blocks of 16 rows of x (bf16 pairs, `stride` pairs apart) times one panel (`steps` pairs of
+// k x 64 bf16) -> the sums of the first `rows` of them at y (rows ldy floats apart).
+template <int R>
+void amx_pass(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_t steps, float* y, int64_t rows, int64_t ldy) {
+  const int64_t whole = steps / kTile * kTile;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (R == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < whole; s += kTile) {
+    _tile_loadd(6, panel + s * 2 * kPanel, 4 * kPanel);
+    _tile_loadd(7, panel + s * 2 * kPanel + kPanel, 4 * kPanel);
+    _tile_loadd(4, x + s, stride * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R == 2) {
+      _tile_loadd(5, x + kTile * stride + s, stride * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t first = std::min(kTile, rows);
+  store_sums<0>(x, stride, panel, whole, steps, y, first, ldy);
+  store_sums<1>(x, stride, panel, whole, steps, y, first, ldy);
+  if constexpr (R == 2) {
+    store_sums<2>(x + kTile * stride, stride, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
+    store_sums<3>(x + kTile * stride, stride, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
+  }
+}
+
+// Panel p's 32 columns of every row, 32 rows a pass (16 in the last where 16 or fewer remain); x has a
+// multiple of 16 rows.
+void amx_panel_product(const uint32_t* x, const uint16_t* w, float* y, int64_t rows, int64_t steps, int64_t N, int64_t p) {
+  configure_tiles();  // per item: a thread of XLA's pool may have run anything since its last one
+  const uint16_t* panel = w + p * steps * 2 * kPanel;
+  for (int64_t m = 0; m < rows; m += 2 * kTile) {
+    float* out = y + m * N + p * kPanel;
+    if (rows - m > kTile)
+      amx_pass<2>(x + m * steps, steps, panel, steps, out, std::min(2 * kTile, rows - m), N);
+    else
+      amx_pass<1>(x + m * steps, steps, panel, steps, out, rows - m, N);
+  }
+  _tile_release();
+}
+#endif
+
+// Which bf16 path this build takes on this machine: "amx", "avx512-bf16" (vdpbf16ps), "avx512" (pairs
+// widened to float32) or "portable" (plain loops). The engine names it in its start-up log.
+extern "C" const char* CbjaxBf16MatmulPath() {
+#if defined(CBJAX_AMX)
+  if (amx_granted()) return "amx";
+#endif
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+// x rounded to bf16 (to nearest even), two k per uint32 (the lower k in the low half), `steps` pairs a
+// row and a zero after an odd K; `padded_rows` rows, the ones past x's zeros.
+std::vector<uint32_t> bf16_pairs(const float* x, int64_t rows, int64_t K, int64_t steps, int64_t padded_rows) {
+  std::vector<uint32_t> pairs(padded_rows * steps, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * K;
+    uint32_t* out = pairs.data() + r * steps;
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32)  // 32 floats -> 16 pairs, in order
+      _mm512_storeu_si512(out + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k)));
+#endif
+    for (; k < K; k += 2) {
+      const uint32_t hi = k + 1 < K ? float_to_bf16(xr[k + 1]) : 0u;
+      out[k / 2] = float_to_bf16(xr[k]) | (hi << 16);
+    }
+  }
+  return pairs;
+}
+
 ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   int64_t rows, K;
@@ -236,18 +386,20 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t steps = (K + 1) / 2;
   if (K == 0) std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
   if (rows == 0 || panels == 0 || K == 0) return ffi::Error::Success();
-  // x rounded to bf16 pairs, a zero after an odd K (the caller waits for every panel, so this
-  // outlives the helpers' reads).
-  std::vector<uint32_t> pairs(rows * steps);
-  const float* xp = x.typed_data();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t s = 0; s < steps; ++s) {
-      const int64_t k = 2 * s;
-      const uint32_t hi = k + 1 < K ? float_to_bf16(xp[r * K + k + 1]) : 0u;
-      pairs[r * steps + s] = float_to_bf16(xp[r * K + k]) | (hi << 16);
-    }
-  multiply<PanelBF16>(pool, pairs.data(), reinterpret_cast<const uint16_t*>(w.typed_data()), y->typed_data(), rows,
-                      steps, panels, panels * kPanel);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  const int64_t N = panels * kPanel;
+  // (The caller waits for every panel, so the pairs outlive the helpers' reads.)
+#if defined(CBJAX_AMX)
+  if (amx_granted()) {
+    const std::vector<uint32_t> pairs = bf16_pairs(x.typed_data(), rows, K, steps, (rows + kTile - 1) / kTile * kTile);
+    const uint32_t* xp = pairs.data();
+    cbjax_kernels::share_out(pool, panels, [=](int64_t p) { amx_panel_product(xp, wp, yp, rows, steps, N, p); });
+    return ffi::Error::Success();
+  }
+#endif
+  const std::vector<uint32_t> pairs = bf16_pairs(x.typed_data(), rows, K, steps, rows);
+  multiply<PanelBF16>(pool, pairs.data(), wp, yp, rows, steps, panels, N);
   return ffi::Error::Success();
 }
 

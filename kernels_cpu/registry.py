@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import logging
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_cpu.build import build, compiler, library_path
+
+logger = logging.getLogger(__name__)
 
 # The attention targets, one per pool dtype (attention only; KV write + attention).
 POOL_SUFFIXES = {
@@ -55,7 +58,29 @@ def _register_once() -> str:
     library = ctypes.cdll.LoadLibrary(str(path))
     for symbol in SYMBOLS:
         jax.ffi.register_ffi_target(f"{symbol}_{build_hash}", jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    logger.info("cbjax CPU kernels %s: bfloat16 weights multiply by %s", path.name, BF16_PATHS[_bf16_path(library)])
     return build_hash
+
+
+# What the bf16 matmul's path names (packed_matmul.cc's CbjaxBf16MatmulPath), for the start-up log.
+BF16_PATHS = {
+    "amx": "AMX tiles (tdpbf16ps)", "avx512-bf16": "AVX512-BF16 (vdpbf16ps)",
+    "avx512": "AVX-512, pairs widened to float32 (no bf16 dot instruction)", "portable": "plain loops (no AVX-512)",
+}
+
+
+def _bf16_path(library: ctypes.CDLL) -> str:
+    path = library.CbjaxBf16MatmulPath
+    path.restype = ctypes.c_char_p
+    return path().decode()
+
+
+def bf16_matmul_path() -> str:
+    """Which path this machine's build takes for bfloat16 weights: "amx", "avx512-bf16", "avx512" or
+    "portable" (chosen by the CPU's flags when the library is built with -march=native; AMX also needs
+    Linux to grant the process its tile state, and CBJAX_CPU_AMX=0 turns it off)."""
+    _register()
+    return _bf16_path(ctypes.cdll.LoadLibrary(str(library_path(compiler()))))
 
 
 def build_hash() -> str:

@@ -51,8 +51,8 @@ DTYPES = [np.float32, ml_dtypes.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 17, 67, (2, 3)])
-@pytest.mark.parametrize("k, n", [(1, 32), (5, 64), (576, 192), (1001, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 15, 16, 17, 67, (2, 3)])
+@pytest.mark.parametrize("k, n", [(1, 32), (5, 64), (32, 32), (33, 64), (64, 32), (576, 192), (1001, 96)])
 def test_kernel_equals_numpy_at_edge_sizes(rows, k, n, dtype):
     x, w, expected = product(np.random.default_rng(k * 31 + n), rows, k, n, dtype)
     packed = pack_weight(w)
@@ -107,32 +107,41 @@ def checkpoint(tmp_path_factory):
     return hf_dir, convert_checkpoint(hf_dir, tmp / "converted")
 
 
-@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3"])
+@pytest.mark.parametrize("march", ["native -mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "x86-64-v4", "x86-64-v3"])
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
-    """The CI machine may lack what this one has: x86-64-v4 is AVX-512 without the bf16 dot
-    instruction (bf16 pairs widened to float32), x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group) and 4-bit ones too."""
+    """The CI machine may lack what this one has: native without AMX is the bf16 dot instruction (vdpbf16ps)
+    where this CPU has it, x86-64-v4 is AVX-512 without the bf16 dot instruction (bf16 pairs widened to float32),
+    x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group) and 4-bit ones too."""
     import kernels_cpu.build as kernel_build
 
-    if not kernel_build.cpu_features() or "avx2" not in kernel_build.cpu_features().split():
+    flags = kernel_build.cpu_features().split()
+    if "avx2" not in flags:
         pytest.skip("not an x86-64 CPU with AVX2")
-    if march == "x86-64-v4" and "avx512f" not in kernel_build.cpu_features().split():
+    if march == "x86-64-v4" and "avx512f" not in flags:
         pytest.skip("no AVX-512 here")
+    if march.startswith("native") and not {"amx_bf16", "avx512_bf16"} <= set(flags):
+        pytest.skip("no AMX here: the native build is already the one without it")
     monkeypatch.setenv("CBJAX_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernel_build, "FLAGS", tuple(f"-march={march}" if f == "-march=native" else f for f in kernel_build.FLAGS))
+    monkeypatch.setattr(kernel_build, "FLAGS", tuple(
+        option for f in kernel_build.FLAGS for option in (f"-march={march}".split() if f == "-march=native" else [f])))
     library = ctypes.cdll.LoadLibrary(str(kernel_build.build()))
+    tag = march.split()[0].replace("-", "_") + ("_no_amx" if "-mno-amx-tile" in march else "")
+    path = library.CbjaxBf16MatmulPath
+    path.restype = ctypes.c_char_p
+    assert path().decode() == {"native": "avx512-bf16", "x86-64-v4": "avx512", "x86-64-v3": "portable"}[march.split()[0]]
     for dtype, symbol in [(np.float32, "CbjaxPackedMatmulF32"), (ml_dtypes.bfloat16, "CbjaxPackedMatmulBF16")]:
-        name = f"{symbol}_test_{march}"
+        name = f"{symbol}_test_{tag}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         for rows, k, n in [(1, 5, 32), (9, 577, 96), (17, 64, 64)]:
             x, w, expected = product(np.random.default_rng(rows), rows, k, n, dtype)
             out = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, n), jnp.float32))(x, pack_weight(w))
             assert_product(out, expected, k)
-    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulI8_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulI8),
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulI8_test_{tag}", jax.ffi.pycapsule(library.CbjaxPackedMatmulI8),
                                 platform="cpu")
     for rows, k, n in [(1, 5, 31), (9, 577, 96), (17, 64, 40)]:
         x, w, _ = product(np.random.default_rng(rows), rows, k, n)
         q, scales = quantize_int8(w)
-        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(q), scales)
         assert_product(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), k)
     for rows, k, group, n in [(1, 32, 32, 31), (9, 576, 32, 96), (17, 64, 16, 40)]:  # int8 with group scales [K / G, N]
@@ -140,15 +149,15 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         x = rng.standard_normal((rows, k)).astype(np.float32)
         q = rng.integers(-127, 128, (k, n)).astype(np.int8)
         scales = rng.uniform(-0.03, 0.03, (k // group, n)).astype(np.float32)
-        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulI8_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(q), scales)
         assert_product(out, x.astype(np.float64) @ (q * np.repeat(scales.astype(np.float64), group, 0)), k)
-    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{march}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{tag}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
                                 platform="cpu")
     for rows, k, n in [(1, 64, 31), (9, 576, 96), (6, 128, 40)]:
         x, w, _ = product(np.random.default_rng(rows), rows, k, n)
         nibbles, scales, mins = quantize_int4(w, group_size=32)
-        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{march}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(nibbles), scales, mins)
         np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins), rtol=1e-4, atol=1e-4)
 
@@ -186,16 +195,48 @@ def test_packed_model_matches_transformers_with_the_kernel_and_with_its_jnp_fall
     np.testing.assert_allclose(forward_logits(model, tokens, backend), hf_logits(hf_dir, tokens), atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_weights_stay_unpacked_and_a_bf16_checkpoint_packs_as_float32(checkpoint, tmp_path):
-    """The engine packs float32 weights only (models/layers/linear.py PACKED_DTYPES), and packs after the cast to
-    the served dtype: a checkpoint stored in bfloat16 and served in float32 gets float32 panels."""
+def test_bf16_weights_pack_as_bf16_panels_with_the_tied_head_and_compute_the_unpacked_model(checkpoint, tmp_path):
+    """bfloat16 weights pack as bf16 panels (models/layers/linear.py PACKED_DTYPES), the tied table's transposed
+    head copy too (pack_tied_head); the packed model's logits, by the kernel and by its jnp fallback, are the
+    unpacked bf16 model's (XLA's bf16 dots) to float32 rounding. Packing follows the cast to the served dtype: a
+    checkpoint stored in bfloat16 and served in float32 gets float32 panels."""
     hf_dir, converted = checkpoint
     half, _ = load_model(converted, dtype="bfloat16", activation_dtype="float32", pack_for_cpu=True)
-    assert half.model.layers[0].mlp.up_proj.kernel[...].shape == (64, 128)
+    kernel = half.model.layers[0].mlp.up_proj.kernel[...]
+    assert kernel.shape == (4, 32, 64) and kernel.dtype == jnp.bfloat16
+    (head,) = half.tied_head
+    assert head.shape == (256 // 32, 32, 64) and head.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(unpack_weight(head[...])), np.asarray(half.model.embed_tokens.embedding[...]).T)
+    plain, _ = load_model(converted, dtype="bfloat16", activation_dtype="float32")
+    assert len(plain.tied_head) > 1 and plain.tied_head[0].ndim == 2  # XLA's dots over column blocks
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    expected = forward_logits(plain, tokens, "cpp")
+    for backend in ("cpp", "xla"):
+        np.testing.assert_allclose(forward_logits(half, tokens, backend), expected, atol=2e-5, rtol=2e-5)
     stored_bf16 = convert_checkpoint(hf_dir, tmp_path / "bf16", dtype="bfloat16")
     full, _ = load_model(stored_bf16, dtype="float32", pack_for_cpu=True)
     kernel = full.model.layers[0].mlp.up_proj.kernel[...]
-    assert kernel.shape == (4, 64, 32) and kernel.dtype == jnp.float32
+    assert kernel.shape == (4, 64, 32) and kernel.dtype == jnp.float32 and full.tied_head is None
+
+
+def test_the_bf16_path_follows_the_cpu_flags_and_amx_can_be_turned_off(tmp_path):
+    """AMX tiles where the CPU lists amx_bf16 (and Linux grants them), vdpbf16ps where it lists avx512_bf16, the
+    pairs widened with AVX-512 alone; CBJAX_CPU_AMX=0 (read when the library loads) keeps the tiles off."""
+    import os
+    import subprocess
+    import sys
+
+    import kernels_cpu.build as kernel_build
+    from kernels_cpu import bf16_matmul_path
+
+    flags = kernel_build.cpu_features().split()
+    expected = ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
+                else "avx512" if "avx512f" in flags else "portable")
+    assert bf16_matmul_path() == expected
+    probe = "from kernels_cpu import bf16_matmul_path; print(bf16_matmul_path())"
+    off = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CBJAX_CPU_AMX": "0"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert off == ("avx512-bf16" if expected == "amx" else expected)
 
 
 def test_weights_cache_keeps_the_packed_layout_apart(checkpoint, tmp_path, monkeypatch):
