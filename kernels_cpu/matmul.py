@@ -25,7 +25,7 @@ from kernels_cpu.quant4 import int4_matmul
 from kernels_cpu.registry import target
 
 PANEL = 32  # columns per panel
-LAYOUT = "packed-1"  # the packed layout's name in the weights cache: a new one for any change to pack_weight
+LAYOUT = "packed-2"  # the packed layout's name in the weights cache: a new one for any change to pack_weight or to what is packed
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
            jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
 QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded

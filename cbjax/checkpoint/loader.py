@@ -21,7 +21,7 @@ from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
 from cbjax.models.tensor_parallel import check_whole_groups
-from cbjax.models.layers.linear import declare_stored, fuse_projections, pack_linears, quantize_linears
+from cbjax.models.layers.linear import PACKED_DTYPES, declare_stored, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ def load_model(
         params = _quantize(params, quantization, pack=pack_for_cpu, lm_head=quantize_lm_head)
         model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections,
                             quantization=quantization)
+        if pack_for_cpu and jnp.dtype(model_dtype) in PACKED_DTYPES:
+            model.pack_tied_head()
     else:
         params = _quantize(tensor_parallel.repeat_kv_heads(params, config), quantization)
         check_whole_groups(params, config, tensor_parallel.size)  # before any weight is placed

@@ -29,6 +29,7 @@ from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
 from cbjax.models.layers.embedding import embedding_rows, quantized_table
 from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.linear import kernel_product, linear
+from kernels_cpu import pack_weight, packable
 from cbjax.models.layers.moe import SparseMoeBlock
 from cbjax.models.layers.norm import RMSNorm
 from cbjax.models.layers.rope import apply_rope, rope_inv_freq
@@ -218,10 +219,21 @@ class LlamaForCausalLM(nnx.Module):
 
     def derive_weights(self) -> None:
         """Recompute the DerivedWeights from the parameters (call after loading them)."""
-        if self.tied_head is not None:
+        if self.tied_head is not None and self.tied_head[0].ndim == 3:  # pack_tied_head's panels
+            self.tied_head[0][...] = jnp.asarray(pack_weight(np.asarray(self.model.embed_tokens.embedding[...]).T))
+        elif self.tied_head is not None:
             table = self.model.embed_tokens.embedding[...].T
             for part, columns in zip(self.tied_head, jnp.array_split(table, TIED_HEAD_PARTS, axis=1)):
                 part[...] = columns
+
+    def pack_tied_head(self) -> None:
+        """Hold the transposed copy of a tied 16-bit table as one kernel packed for the C++ matmul, which
+        streams it at a decode step's few rows faster than XLA:CPU's bf16 dots, and on AMX tiles at a prompt
+        step's many (`python -m benchmarks.decode_dots_bandwidth --packed --dtype bfloat16 --tied-head`). A
+        no-op where there is no such copy or its dtype or width does not pack."""
+        if self.tied_head is None or not packable((self.config.hidden_size, self.config.vocab_size), self.dtype):
+            return
+        self.tied_head = nnx.List([DerivedWeight(jnp.asarray(pack_weight(np.asarray(self.model.embed_tokens.embedding[...]).T)))])
 
     def __call__(
         self,
@@ -280,6 +292,8 @@ class LlamaForCausalLM(nnx.Module):
         table, quantized = quantized_table(self.model.embed_tokens)
         if self.lm_head is None and quantized:
             logits = kernel_product(x, table, quantized, plan)
+        elif self.tied_head is not None and self.tied_head[0].ndim == 3:
+            logits = kernel_product(x, self.tied_head[0][...], [], plan)
         elif self.tied_head is not None:
             x16 = x.astype(self.dtype)
             logits = jnp.concatenate(

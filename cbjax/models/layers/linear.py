@@ -57,11 +57,10 @@ def kernel_product(
     return (packed_matmul_cpu if plan.backend == "cpp" else packed_matmul_reference)(x, kernel, *quantized)
 
 
-# The weight dtypes the engine packs. bfloat16 is not among them: its kernel (kernels_cpu) beats
-# XLA's bf16 dots at decode steps' few rows but loses at prompt steps', and whole engines lost with it
-# at 64 sequences of long prompts (benchmarks/decode_dots_bandwidth.py --packed;
-# docs/benchmarks-history/15-long-contexts-64-seqs.md).
-PACKED_DTYPES = (jnp.dtype(jnp.float32),)
+# The weight dtypes the engine packs. bfloat16 packs since its kernel multiplies on AMX tiles where the CPU
+# has them (prompt steps' many rows) and with vdpbf16ps elsewhere (`python -m benchmarks.decode_dots_bandwidth
+# --packed --dtype bfloat16`; whole engines: `python -m benchmarks.bf16_peers`).
+PACKED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
