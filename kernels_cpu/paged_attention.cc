@@ -522,6 +522,17 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       if (page_index >= s.max_blocks) return;  // seq_len beyond the block table: metadata bug
       const int64_t block = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1);
       const int64_t offset = item.kv_head * head_stride + block * page_stride + (pos % bs) * s.dim;
+      // The same row of the next page, fetched a page early: pages lie anywhere in the pool, and the hardware
+      // prefetcher stops at each page's end, where every page's first keys would otherwise wait for memory
+      // (`python -m benchmarks.profile_long_steps --packed`, the decode cases).
+      if (pos + bs < kv_end && page_index + 1 < s.max_blocks) {
+        const int64_t next = item.kv_head * head_stride + std::clamp<int64_t>(table[page_index + 1], 0, s.blocks - 1) * page_stride +
+                             (pos % bs) * s.dim;
+        for (int64_t byte = 0; byte < dim * (int64_t)sizeof(typename Pool<Tag>::T); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_pages + next) + byte, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_pages + next) + byte, 0, 3);
+        }
+      }
       Pool<Tag>::load(k_pages + offset, &kc[j * dim], dim);
       Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
     }
