@@ -23,3 +23,13 @@ def int4_group_size(name: str) -> int:
 def int4_groups_dividing(k: int) -> list[str]:
     """The 4-bit quantization names whose group divides an input width `k`."""
     return [name for name in QUANTIZATIONS if name.startswith("int4") and k % int4_group_size(name) == 0]
+
+
+def check_quantized_lm_head(quantize_lm_head: bool, quantization: str | None, tensor_parallel_size: int) -> None:
+    """Raise unless `quantize_lm_head` comes with a quantization and one device (the loader's, the planner's and
+    the abstract lowering's one rule)."""
+    if quantize_lm_head and (quantization is None or tensor_parallel_size > 1):
+        raise ValueError(
+            f"quantize_lm_head=True needs quantization= (got {quantization!r}) and one device (got "
+            f"tensor_parallel_size={tensor_parallel_size}): set quantization, or serve the LM head float under tensor "
+            "parallelism")

@@ -21,6 +21,7 @@ from cbjax.checkpoint.weights_cache import cached_weights
 from cbjax.models.config import ModelConfig
 from cbjax.heap import release_free_heap
 from cbjax.models.tensor_parallel import check_whole_groups
+from cbjax.quantization import check_quantized_lm_head
 from cbjax.models.layers.linear import PACKED_DTYPES, declare_stored, fuse_projections, pack_linears, quantize_linears
 from kernels_cpu import LAYOUT as PACKED_LAYOUT
 
@@ -68,9 +69,7 @@ def load_model(
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
-    if quantize_lm_head and (quantization is None or tensor_parallel is not None):
-        raise ValueError(f"quantize_lm_head=True needs quantization= (got {quantization!r}) and one device (got tensor "
-                         f"parallelism): set quantization, or serve the LM head float under tensor parallelism")
+    check_quantized_lm_head(quantize_lm_head, quantization, 1 if tensor_parallel is None else tensor_parallel.size)
     if fused_projections and tensor_parallel is not None:
         raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.

@@ -34,6 +34,7 @@ from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.worker.model_runner import kv_cache_dtype
 from cbjax.models.layers.linear import declare_quantized
+from cbjax.quantization import check_quantized_lm_head
 from cbjax.models.registry import kv_cache_bytes_per_block, model_class
 from cbjax.models.tensor_parallel import (
     check_tensor_parallel,
@@ -66,6 +67,7 @@ class CapacityPlan:
     expert_parallel: bool  # a MoE model's experts placed whole on devices, num_experts / tensor_parallel_size each
     dtype: str
     quantization: str | None  # the decoder projections' (None: in dtype)
+    quantize_lm_head: bool  # the LM head (a tied model's embedding) quantized as the projections
     kv_cache_dtype: str
     max_model_len: int
     block_size: int
@@ -106,12 +108,16 @@ def layer_repeats(config: ModelConfig) -> tuple[int, ...]:
     return (config.num_hidden_layers - num_sparse, num_sparse) if num_sparse else (config.num_hidden_layers,)
 
 
-def representative_model(config: ModelConfig, dtype: jnp.dtype, quantization: str | None = None) -> nnx.Module:
-    """The abstract model with one layer of each kind: dense, then (a MoE model) sparse; its projections
-    declared as `quantization` stores them (declare_quantized: int8 with scales, or nibbles with scales and mins)."""
+def representative_model(
+    config: ModelConfig, dtype: jnp.dtype, quantization: str | None = None, quantize_lm_head: bool = False,
+) -> nnx.Module:
+    """The abstract model with one layer of each kind: dense, then (a MoE model) sparse; its projections (and
+    with quantize_lm_head its LM head) declared as `quantization` stores them (declare_quantized: int8 with
+    scales, or nibbles with scales and mins)."""
     kinds = dataclasses.replace(config, num_hidden_layers=len(layer_repeats(config)),
                                 sparse_layers=(1,) if config.sparse_layers else ())
-    return nnx.eval_shape(lambda: declare_quantized(model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)), quantization))
+    return nnx.eval_shape(lambda: declare_quantized(model_class(kinds)(kinds, dtype=dtype, rngs=nnx.Rngs(0)), quantization,
+                                                    lm_head=quantize_lm_head))
 
 
 def _parameter_shards(model: nnx.Module, config: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False):
@@ -172,11 +178,14 @@ def plan_capacity(
     context_len: int | None = None,
     expert_parallel: bool = False,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> CapacityPlan:
     """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
     expert, or placed whole with expert_parallel), its decoder projections quantized as `quantization` says
-    (the weights' bytes are those it stores; parameters are counted unquantized); ValueError if it cannot run."""
+    (the weights' bytes are those it stores; parameters are counted unquantized), with quantize_lm_head its LM head
+    (a tied model's embedding) too; ValueError if it cannot run."""
     check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
+    check_quantized_lm_head(quantize_lm_head, quantization, tensor_parallel_size)
     engine_config = EngineConfig(
         model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, quantization=quantization,
@@ -185,7 +194,7 @@ def plan_capacity(
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     parameters, active_parameters = parameter_counts(representative_model(config, weight_dtype), config)
-    model = representative_model(config, weight_dtype, quantization)
+    model = representative_model(config, weight_dtype, quantization, quantize_lm_head)
     check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
     weights = weight_bytes_per_device(model, config, tensor_parallel_size, expert_parallel=expert_parallel)
     expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True,
@@ -220,6 +229,7 @@ def plan_capacity(
         expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
         quantization=quantization,
+        quantize_lm_head=quantize_lm_head,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,
         block_size=block_size,
@@ -264,7 +274,7 @@ def format_plan(plan: CapacityPlan) -> str:
     lines = [
         f"{plan.model} on {n} x {device.description} ({gib(device.memory_bytes)}, "
         f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}"
-        + (f" (decoder projections {plan.quantization})" if plan.quantization else "") + f", KV cache {plan.kv_cache_dtype}",
+        + (f" (decoder projections{' and LM head' if plan.quantize_lm_head else ''} {plan.quantization})" if plan.quantization else "") + f", KV cache {plan.kv_cache_dtype}",
         f"parameters:                    {plan.parameters / 1e9:.2f} B"
         + (f", {plan.active_parameters / 1e9:.2f} B active per token" if plan.active_parameters != plan.parameters else ""),
         f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)"

@@ -8,12 +8,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_gguf_import import write_tiny_llama_gguf
 
 from cbjax.checkpoint.convert import convert_checkpoint
 from cbjax.checkpoint.gguf_import import import_gguf
 from cbjax.checkpoint.loader import load_model
 from cbjax.config import EngineConfig
+from cbjax.models.layers.linear import declare_quantized
+from cbjax.models.registry import model_class
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -42,3 +45,51 @@ def test_int8_lm_head_is_within_half_a_scale_of_the_float_head(tmp_path, tied, p
 def test_quantize_lm_head_without_quantization_is_refused():
     with pytest.raises(ValueError, match="quantize_lm_head=True .* quantization is None; set quantization"):
         EngineConfig(model="m", quantize_lm_head=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+def test_the_declared_model_holds_what_the_loader_quantizes(tmp_path, tied, quantization):
+    """`cbjax plan` and `cbjax lower` count and lower the model declare_quantized declares: with lm_head, the same
+    names, shapes and dtypes as the loader's quantize_lm_head model (a tied embedding as the head's kernel)."""
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", tied=tied)
+    checkpoint = convert_checkpoint(import_gguf(tmp_path / "tiny.gguf", tmp_path / "hf"), tmp_path / "float")
+    loaded, config = load_model(checkpoint, quantization=quantization, fused_projections=True, quantize_lm_head=True)
+    declared = nnx.eval_shape(lambda: declare_quantized(
+        model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0), fused_projections=True), quantization, lm_head=True))
+
+    def leaves(model):
+        return {path: (variable.shape, variable.dtype) for path, variable in nnx.to_flat_state(nnx.state(model))}
+
+    assert leaves(declared) == leaves(loaded)
+    head = ("model", "embed_tokens", "embedding") if tied else ("lm_head", "kernel")
+    assert leaves(declared)[head][1] == (jnp.int8 if quantization == "int8" else jnp.uint8)
+
+
+def test_plan_counts_a_quantized_lm_head_and_refuses_it_under_tensor_parallelism():
+    from cbjax.plan.accelerators import accelerator
+    from cbjax.plan.capacity import load_model_config, plan_capacity
+
+    name, config = load_model_config("llama-3-8b")
+    h100 = accelerator("h100")
+    float_head = plan_capacity(name, config, h100, 1, max_model_len=8192, quantization="int8")
+    int8_head = plan_capacity(name, config, h100, 1, max_model_len=8192, quantization="int8", quantize_lm_head=True)
+    # Llama-3-8B's untied head [4096, 128256]: bf16 (2 bytes a weight) -> int8 (1 byte) and a float32 scale a column.
+    assert int8_head.weight_bytes_per_device == float_head.weight_bytes_per_device - 4096 * 128256 + 4 * 128256
+    with pytest.raises(ValueError, match="quantize_lm_head=True needs .* one device .*tensor_parallel_size=2"):
+        plan_capacity(name, config, h100, 2, quantization="int8", quantize_lm_head=True)
+
+
+def test_lower_takes_the_quantized_lm_head(tmp_path, capsys):
+    """`cbjax lower --quantize-lm-head` lowers the steps of the declared model (a tied embedding held int8, as the
+    head's [hidden, vocab] kernel) for CUDA, and refuses the flag under tensor parallelism as the engine does."""
+    from cbjax.entrypoints.cli.main import main
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", tied=True)
+    hf_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "hf")
+    args = ["lower", "--config", str(hf_dir), "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--max-model-len", "64",
+            "--quantization", "int8", "--quantize-lm-head"]
+    main(args)
+    assert "lowered 2/2 steps for cuda with backend pallas at tensor_parallel_size=1" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="quantize_lm_head=True needs"):
+        main([*args, "--tensor-parallel-size", "2"])

@@ -22,6 +22,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                    help="the decoder projections' weight-only quantization, as the engine stores it (default: none)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization and one device: the LM head (a tied model's embedding) quantized too")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--context-len", type=int, default=None, help="context of every sequence in the roofline (default max_model_len)")
@@ -38,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             name, config, accelerator(args.device), args.tensor_parallel_size, max_model_len=args.max_model_len,
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
-            quantization=args.quantization,
+            quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")

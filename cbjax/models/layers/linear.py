@@ -172,17 +172,26 @@ def declare_stored(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Modu
     return model
 
 
-def declare_quantized(model: nnx.Module, quantization: str | None) -> nnx.Module:
+def declare_quantized(model: nnx.Module, quantization: str | None, lm_head: bool = False) -> nnx.Module:
     """`model` with each projection that quantize_linears quantizes declared as its quantized kernel and
     the float32 parameters beside it (quantized_leaves), so its state has the quantized weights' names,
-    shapes and dtypes (build it under nnx.eval_shape to get shapes only)."""
+    shapes and dtypes (build it under nnx.eval_shape to get shapes only). With `lm_head` (quantize_linears'
+    own), the LM head too, or a tied model's embedding as its head's quantized kernel [hidden, vocab] (without
+    the transposed float copy, as declare_stored)."""
     check_quantization(quantization)
     if quantization is None:
         return model
     for path, module in list(nnx.iter_modules(model)):  # listed first: the loop replaces variables
-        if isinstance(module, Linear) and is_quantized_projection(".".join(map(str, (*path, "kernel"))), module.kernel.shape):
+        name = ".".join(map(str, (*path, "kernel")))
+        if isinstance(module, Linear) and (is_quantized_projection(name, module.kernel.shape) or (lm_head and name == "lm_head.kernel")):
             for leaf, (shape, dtype) in quantized_leaves(quantization, *module.kernel.shape).items():
                 setattr(module, leaf, nnx.Param(jnp.zeros(shape, dtype)))
+    if lm_head and getattr(model, "lm_head", False) is None:  # tied: the embedding is the head's kernel
+        embed = model.model.embed_tokens
+        vocab, hidden = embed.embedding.shape
+        for leaf, (shape, dtype) in quantized_leaves(quantization, hidden, vocab).items():
+            setattr(embed, "embedding" if leaf == "kernel" else leaf, nnx.Param(jnp.zeros(shape, dtype)))
+        model.tied_head = None
     return model
 
 

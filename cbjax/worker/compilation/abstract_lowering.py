@@ -24,6 +24,7 @@ from flax import nnx
 from cbjax.checkpoint.params import named_arrays, param_name
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import declare_quantized
+from cbjax.quantization import check_quantized_lm_head
 from cbjax.models.layers.lora import attach_lora
 from cbjax.worker.compilation.buckets import Bucket
 from cbjax.config import EngineConfig
@@ -71,6 +72,7 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
     # Nothing it lowers is compiled, so it has no step cache (whose device a shape does not have).
     config = dataclasses.replace(config, compilation_cache_dir=None)
     config.resolve(model_config.max_position_embeddings)
+    check_quantized_lm_head(config.quantize_lm_head, config.quantization, config.tensor_parallel_size)
     tensor_parallel = None
     if config.tensor_parallel_size > 1:
         tensor_parallel = TensorParallel.create(model_config, config.tensor_parallel_size, jax.devices("cpu"),
@@ -84,7 +86,7 @@ def abstract_runner(model_config: ModelConfig, config: EngineConfig, platform: s
         model = declare_quantized(
             model_class(model_config)(model_config, dtype=jnp.dtype(dtype), activation_dtype=activation_dtype,
                                       rngs=nnx.Rngs(0), fused_projections=tensor_parallel is None),
-            config.quantization,
+            config.quantization, lm_head=config.quantize_lm_head,
         )
         if config.enable_lora:
             attach_lora(model, model_config, config.max_loras, config.max_lora_rank)
