@@ -55,11 +55,10 @@ class EngineConfig:
     # (`cbjax serve`'s default: True).
     prompt_bucket_midpoints: bool = False
     attention_backend: str = "auto"  # "auto" | "cpp" | "xla" | "pallas" | "pallas_interpret"
-    # On a CPU with the C++ kernels (attention_backend "auto" or "cpp"), one device: float32, bfloat16 (or
+    # On a CPU with the C++ kernels (attention_backend "auto" or "cpp"), one device: float32 (or
     # quantized int8/int4) projection weights packed in 32-column panels at load and multiplied by the C++ matmul
-    # kernel, 1.3-1.55x faster than XLA:CPU's dots at decode steps' 8-64 rows; bfloat16 ones on AMX tiles where
-    # the CPU has them, with vdpbf16ps elsewhere, a bf16 tied LM head too (the start-up log names the path).
-    # False: XLA's dots.
+    # kernel, 1.3-1.55x faster than XLA:CPU's dots at decode steps' 8-64 rows; bfloat16 ones (a tied LM head
+    # too) where the CPU has AMX tiles, XLA's dots elsewhere (the start-up log says which). False: XLA's dots.
     cpu_packed_weights: bool = True
     seed: int = 0  # seeds requests that bring no seed of their own
     max_logprobs: int = 20

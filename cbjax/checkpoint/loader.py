@@ -45,7 +45,7 @@ class ShardedPlacement(Protocol):
 def load_model(
     ckpt_dir: str | Path, dtype: str | None = None, activation_dtype: str | None = None,
     tensor_parallel: ShardedPlacement | None = None, pack_for_cpu: bool = False, fused_projections: bool = False,
-    quantization: str | None = None, quantize_lm_head: bool = False,
+    quantization: str | None = None, quantize_lm_head: bool = False, pack_floats: bool = True,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a converted checkpoint (params/ + config.json), an HF safetensors directory directly, or a
     GGUF file's directory (resolve.py: its quantized tensors as stored, see gguf_params.py), into the
@@ -65,6 +65,8 @@ def load_model(
     file's quantized ones) must split into whole groups per device (check_whole_groups).
     quantize_lm_head: the LM head (a tied model's embedding) quantized too (quantize_linears' `lm_head`;
     one device only).
+    pack_floats: with pack_for_cpu, float projections (and a tied 16-bit head) packed too; False packs only
+    quantized kernels (the engine's choice for bfloat16 without AMX: worker/build.py).
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
@@ -75,7 +77,7 @@ def load_model(
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
     # Quantized projections are packed after quantizing (int8 panels), not as floats here.
-    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None)
+    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None, pack_floats)
     if (ckpt_dir / GGUF_FILE).exists():
         check_as_stored(ckpt_dir, quantization)
         params = read_gguf_params(ckpt_dir / GGUF_FILE, config, model_dtype, tensor_parallel=tensor_parallel is not None)
@@ -98,7 +100,7 @@ def load_model(
         params = _quantize(params, quantization, pack=pack_for_cpu, lm_head=quantize_lm_head)
         model = _fill_model(config, model_dtype, params, activation_dtype, fused_projections=fused_projections,
                             quantization=quantization)
-        if pack_for_cpu and jnp.dtype(model_dtype) in PACKED_DTYPES:
+        if pack_for_cpu and pack_floats and jnp.dtype(model_dtype) in PACKED_DTYPES:
             model.pack_tied_head()
     else:
         params = _quantize(tensor_parallel.repeat_kv_heads(params, config), quantization)
@@ -111,13 +113,15 @@ def load_model(
 
 
 def _arrangement(
-    config: ModelConfig, dtype: str, fused: bool, packed: bool,
+    config: ModelConfig, dtype: str, fused: bool, packed: bool, pack_floats: bool = True,
 ) -> tuple[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] | None:
     """How a checkpoint's weights are rearranged for the model (fused projections, then packed for
-    the CPU kernel), and that layout's name in the weights cache; None: kept as stored."""
+    the CPU kernel: float projections too unless not pack_floats), and that layout's name in the weights
+    cache; None: kept as stored."""
     steps = [("fused", functools.partial(fuse_projections, num_layers=config.num_hidden_layers))] if fused else []
     if packed:
-        steps.append((PACKED_LAYOUT, functools.partial(pack_linears, dtype=dtype)))
+        steps.append((PACKED_LAYOUT if pack_floats else f"{PACKED_LAYOUT}-quantized-only",
+                      functools.partial(pack_linears, dtype=dtype, floats=pack_floats)))
     if not steps:
         return None
 

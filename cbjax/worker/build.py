@@ -32,7 +32,7 @@ from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
 from cbjax.worker.spec.draft_model import DraftModelProposer
 from cbjax.worker.spec.drafter import Drafter
 from cbjax.worker.sample.penalty_state import penalty_state_bytes
-from kernels_cpu import register_in_background
+from kernels_cpu import bf16_matmul_path, kernel_problem, register_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,19 @@ def make_drafter(config: EngineConfig, target_vocab_size: int, *, dtype: str,
     if spec.method == "draft_model":
         return DraftModelProposer(spec, config, target_vocab_size, dtype=dtype, activation_dtype=activation_dtype)
     return Drafter(spec)
+
+
+def packs_float_weights(dtype: str) -> bool:
+    """Whether float `dtype` weights go to the packed C++ matmul on this CPU: float32 always; bfloat16 where the
+    kernel multiplies them on AMX tiles, waiting for the kernels' build to ask it. Its vdpbf16ps path, what a CPU
+    without AMX runs, gave 0.58-0.82x the output tokens/s of XLA:CPU's own bf16 dots in whole engines
+    (`python -m benchmarks.bf16_paths`), so there bf16 weights keep XLA's dots."""
+    if dtype != "bfloat16":
+        return True
+    path = bf16_matmul_path() if kernel_problem() is None else "none (the kernels did not build)"
+    logger.info("bfloat16 weights: %s", "packed for the C++ matmul on AMX tiles" if path == "amx" else
+                f"XLA:CPU's dots (the C++ matmul's bf16 path here is {path}, not AMX tiles)")
+    return path == "amx"
 
 
 def build_worker(config: EngineConfig, *, precompile: bool = True, progress: bool = True) -> Worker:
@@ -91,7 +104,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     model, mc = load_model(
         config.model, dtype=dtype, activation_dtype=activation_dtype, tensor_parallel=tensor_parallel,
         pack_for_cpu=pack_for_cpu, fused_projections=tensor_parallel is None, quantization=config.quantization,
-        quantize_lm_head=config.quantize_lm_head,
+        quantize_lm_head=config.quantize_lm_head, pack_floats=not pack_for_cpu or packs_float_weights(dtype),
     )
     config.resolve(mc.max_position_embeddings)
     if config.max_logprobs > mc.vocab_size:  # a step's top-k cannot return more than the vocabulary

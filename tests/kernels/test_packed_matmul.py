@@ -219,6 +219,23 @@ def test_bf16_weights_pack_as_bf16_panels_with_the_tied_head_and_compute_the_unp
     assert kernel.shape == (4, 64, 32) and kernel.dtype == jnp.float32 and full.tied_head is None
 
 
+def test_the_engine_packs_bf16_weights_only_on_amx_tiles(checkpoint, monkeypatch):
+    """worker/build.py's choice: float32 always packs; bfloat16 packs where the kernel's path is AMX and keeps
+    XLA's dots elsewhere (load_model's pack_floats=False: float projections and the tied head as they are,
+    the packed layout cached under a name of its own)."""
+    import cbjax.worker.build as build
+
+    assert build.packs_float_weights("float32")
+    for path, packs in [("amx", True), ("avx512-bf16", False), ("avx512", False), ("portable", False)]:
+        monkeypatch.setattr(build, "bf16_matmul_path", lambda path=path: path)
+        assert build.packs_float_weights("bfloat16") is packs
+    _, converted = checkpoint
+    model, _ = load_model(converted, dtype="bfloat16", activation_dtype="float32", pack_for_cpu=True, fused_projections=True,
+                          pack_floats=False)
+    assert model.model.layers[0].mlp.gate_up_proj.kernel[...].shape == (64, 256)
+    assert len(model.tied_head) > 1 and model.tied_head[0].ndim == 2
+
+
 def test_the_bf16_path_follows_the_cpu_flags_and_amx_can_be_turned_off(tmp_path):
     """AMX tiles where the CPU lists amx_bf16 (and Linux grants them), vdpbf16ps where it lists avx512_bf16, the
     pairs widened with AVX-512 alone; CBJAX_CPU_AMX=0 (read when the library loads) keeps the tiles off."""

@@ -93,7 +93,7 @@ def add_engine_args(
     )
     parser.add_argument(
         "--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
-        help="on a CPU: float32 and bfloat16 projection weights packed at load for the C++ matmul kernel "
+        help="on a CPU: float32 (bfloat16 with AMX) projection weights packed at load for the C++ matmul kernel "
              "(--no-cpu-packed-weights: XLA's dots); default: on",
     )
     parser.add_argument(

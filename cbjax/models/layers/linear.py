@@ -57,24 +57,24 @@ def kernel_product(
     return (packed_matmul_cpu if plan.backend == "cpp" else packed_matmul_reference)(x, kernel, *quantized)
 
 
-# The weight dtypes the engine packs. bfloat16 packs since its kernel multiplies on AMX tiles where the CPU
-# has them (prompt steps' many rows) and with vdpbf16ps elsewhere (`python -m benchmarks.decode_dots_bandwidth
-# --packed --dtype bfloat16`; whole engines: `python -m benchmarks.bf16_peers`).
+# The weight dtypes the packed C++ matmul takes. The engine packs bfloat16 ones only where the kernel multiplies
+# them on AMX tiles (worker/build.py: its vdpbf16ps path ran slower than XLA:CPU's dots in whole engines,
+# `python -m benchmarks.bf16_paths`).
 PACKED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype) -> dict[str, np.ndarray]:
+def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype, floats: bool = True) -> dict[str, np.ndarray]:
     """`params` with every decoder layer's projection cast to `dtype` and packed for the CPU
-    matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES and the width
-    allows; quantized kernels kept as stored (a GGUF file's int8 or 4-bit projections, embedding and LM
-    head) into int8 or nibble panels; a float LM head and embedding as they are. The cast comes first, so
-    the layout is the served dtype's. One tensor at a time: each packed copy replaces its original."""
+    matmul kernel (kernels_cpu.pack_weight) where `dtype` is one of PACKED_DTYPES, the width
+    allows and `floats` says so; quantized kernels kept as stored (a GGUF file's int8 or 4-bit projections,
+    embedding and LM head) into int8 or nibble panels; a float LM head and embedding as they are. The cast
+    comes first, so the layout is the served dtype's. One tensor at a time: each packed copy replaces its original."""
     if jnp.dtype(dtype) not in PACKED_DTYPES:
         return params
     for name in [n for n in params if is_quantized_projection(n, (0, 0)) or is_head_or_embedding(n)]:
         if params[name].dtype in QUANTIZED_KERNELS:
             params[name] = pack_weight(params.pop(name))  # as stored: int8 or nibble panels
-        elif is_quantized_projection(name, (0, 0)) and packable(params[name].shape, dtype):
+        elif floats and is_quantized_projection(name, (0, 0)) and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
 
