@@ -78,9 +78,13 @@ def main() -> None:
         steps["the same, C++ packed matmul"] = (
             jax.jit(functools.partial(projections, dot=packed_matmul_cpu)), packed, base, weight_bytes, num_weights)
         if args.tied_head:
-            table = jax.random.normal(jax.random.fold_in(key, 4 * LAYERS), (VOCAB, HIDDEN), jnp.float32) * 0.02
+            table = (jax.random.normal(jax.random.fold_in(key, 4 * LAYERS), (VOCAB, HIDDEN), jnp.float32) * 0.02).astype(dtype)
             head = "tied LM head"
-            steps[head] = (jax.jit(lambda h, table: jnp.dot(table, h.T).T), table, head, table.nbytes, table.size)
+            if dtype == jnp.float32:  # as compute_logits: the table untransposed, XLA's dot
+                steps[head] = (jax.jit(lambda h, table: jnp.dot(table, h.T).T), table, head, table.nbytes, table.size)
+            else:  # its transposed bf16 copy (TIED_HEAD_PARTS blocks there, one here), a bf16 x bf16 -> f32 dot
+                steps[head] = (jax.jit(lambda h, head_t: jnp.dot(h.astype(dtype), head_t, preferred_element_type=jnp.float32)),
+                               table.T, head, table.nbytes, table.size)
             steps["tied LM head, packed matmul"] = (
                 jax.jit(packed_matmul_cpu), jnp.asarray(pack_weight(np.asarray(table).T)), head, table.nbytes, table.size)
     for num_rows in args.rows:

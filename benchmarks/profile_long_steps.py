@@ -4,14 +4,17 @@
         --result-json bench_results/profile_long_steps.json
 
 Each case is one compiled step of the real model (bf16 weights, float32 activations, float16
-pool, the C++ attention kernel), timed whole (median of --repeats calls), then traced once with
-jax.profiler and its XLA:CPU ops summed by kind (dots, the attention custom call, fusions, ...).
+pool, the C++ attention kernel; `--dtype float32` for float32 weights, `--packed` for the projections packed
+for the C++ matmul as the engine packs them), timed whole (median of --repeats calls, each writing into the
+pool the last returned, as the engine's donated steps do), then traced once with jax.profiler and its XLA:CPU
+ops summed by kind (dots, fusions, ...; each C++ custom call by its kernel).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import pathlib
 import re
@@ -33,6 +36,7 @@ BLOCK = 16
 # name -> [(new tokens, context length after them)] per request
 CASES = {
     "decode 64 x 500": [(1, 500)] * 64,
+    "decode 16 x 200": [(1, 200)] * 16,
     "mixed 512: 63 decodes x 400 + a 449-token chunk over 749": [(1, 400)] * 63 + [(449, 749)],
     "mixed 256: 15 decodes x 600 + a 241-token chunk over 777": [(1, 600)] * 15 + [(241, 777)],
     "prefill 512: one chunk over 512": [(512, 512)],
@@ -60,16 +64,26 @@ def step_inputs(requests: list[tuple[int, int]]):
     return token_ids, jnp.asarray(np.concatenate(positions), jnp.int32), metadata, len(requests) * per_req + 1
 
 
-def op_kind(name: str) -> str:
+def op_kind(name: str, targets: dict[str, str]) -> str:
+    """An op's kind: a custom call by its target (`targets`: op name -> the C++ kernel, read from the compiled
+    HLO), else the op's own kind."""
+    if name in targets:
+        return targets[name]
     if "Cbjax" in name or "custom-call" in name or "custom_call" in name:
-        return "attention (C++ custom call)"
+        return "C++ custom call"
     for kind in ("dot", "fusion", "convert", "copy", "gather", "concatenate", "broadcast", "reduce", "transpose"):
         if re.match(kind, name):
             return kind
     return re.sub(r"[.\d]+$", "", name)
 
 
-def profile(fn, label: str) -> dict[str, float]:
+def custom_call_targets(compiled_text: str) -> dict[str, str]:
+    """Each custom call's op name -> its C++ kernel (the FFI target less its build hash), from compiled HLO text."""
+    calls = re.findall(r"%([\w.]+) = .*? custom-call\(.*?custom_call_target=\"(\w+?)_[0-9a-f]{16}\"", compiled_text)
+    return {name: target for name, target in calls}
+
+
+def profile(fn, label: str, targets: dict[str, str]) -> dict[str, float]:
     """XLA:CPU op time by kind (ms, one call), from a jax.profiler trace."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
@@ -86,7 +100,7 @@ def profile(fn, label: str) -> dict[str, float]:
                 name = event.name
                 if name.startswith(("Thunk", "ThunkExecutor", "PjRt", "Execute", "$")) or "::" in name:
                     continue
-                totals[op_kind(name)] += event.duration_ns / 1e6
+                totals[op_kind(name, targets)] += event.duration_ns / 1e6
                 names[name] += event.duration_ns / 1e6
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
     print(f"  {label}: top ops " + ", ".join(f"{n} {t:.2f}" for n, t in top))
@@ -98,9 +112,15 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype (activations are float32)")
+    parser.add_argument("--packed", action="store_true", help="projections packed for the C++ matmul, as the engine packs them")
     parser.add_argument("--result-json")
     args = parser.parse_args()
-    model, config = load_model(args.model, "bfloat16", "float32")
+    if args.packed:
+        from kernels_cpu import kernel_problem
+
+        assert kernel_problem() is None, kernel_problem()
+    model, config = load_model(args.model, args.dtype, "float32", pack_for_cpu=args.packed)
     graphdef, state = nnx.split(model)
     weights, treedef = jax.tree_util.tree_flatten(state)
     results = {}
@@ -111,24 +131,29 @@ def main() -> None:
         decode_only = all(q == 1 for q, _ in requests)
         plan = AttentionPlan("cpp", decode_only, 8)
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=1)  # the engine donates its pool: no copy of it per step
         def step(weights, kv_pool):
             m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, weights))
             hidden, kv_pool = m.hidden_states(token_ids, positions, kv_pool, metadata, plan)
-            return m.compute_logits(hidden[logits_rows]), kv_pool
+            return m.compute_logits(hidden[logits_rows], plan), kv_pool
 
-        kv_pool = init_kv_pool(config, num_blocks, BLOCK, jnp.float16)
-        run = lambda: step(weights, kv_pool)[0]  # noqa: E731 - the pool is not donated: every call sees the same one
+        pool = [init_kv_pool(config, num_blocks, BLOCK, jnp.float16)]
+
+        def run():  # each call writes its step's KV into the pool the last one returned, as the engine's steps do
+            logits, pool[0] = step(weights, pool[0])
+            return logits
+
         jax.block_until_ready(run())
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             jax.block_until_ready(run())
             times.append((time.perf_counter() - start) * 1e3)
-        by_kind = profile(run, case)
+        targets = custom_call_targets(step.lower(weights, pool[0]).compile().as_text())
+        by_kind = profile(run, case, targets)
         results[case] = {"step_ms_median": float(np.median(times)), "profiled_ms_by_op_kind": by_kind}
         print(f"{case}: step {np.median(times):.1f} ms; " + ", ".join(f"{k} {v:.1f}" for k, v in list(by_kind.items())[:8]))
-        del kv_pool
+        del pool
     if args.result_json:
         pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.result_json).write_text(json.dumps(results, indent=2))
