@@ -71,7 +71,8 @@ def load_model(
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
     model_dtype = resolve_dtype(dtype, config)
-    check_quantized_lm_head(quantize_lm_head, quantization, 1 if tensor_parallel is None else tensor_parallel.size)
+    if quantize_lm_head:
+        check_quantized_lm_head(True, quantization, 1 if tensor_parallel is None else tensor_parallel.size)
     if fused_projections and tensor_parallel is not None:
         raise ValueError("fused_projections is for one device; under tensor parallelism load with fused_projections=False")
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
