@@ -1,18 +1,17 @@
-"""quantization="int8" and "int4" on the real SmolLM2-135M-Instruct: perplexity on a held-out English text.
+"""quantization="int8" on the real SmolLM2-135M-Instruct: perplexity on a held-out English text.
 
 The text ships with the OS, not with cbjax: Debian's GPL-3 and GFDL-1.3 (English prose never written for this
-test), of which the first 20 windows of 512 SmolLM2 tokens are scored (10,220 predictions). Each quantized engine
+test), of which the first 20 windows of 512 SmolLM2 tokens are scored (10,220 predictions). The int8 engine
 scores them with prompt_logprobs (the logprob of every real next token); the float model's perplexity is
 transformers' own, in float32, on the same windows (an independent reference: no cbjax code computes it).
-Issue 38's bounds: int8 (per output channel) within 1% of the float model, int4 within 5%.
+Issue 38's bound: int8 (per output channel) within 1% of the float model (measured +0.45%).
 
-int4 is checked in groups of 32 (SmolLM2's 576-wide inputs do not divide into the default 128). The shipped
-float weights are themselves the dequantized Q4_1 file, 4-bit values in groups of 32 with a scale and a min,
-so int4-g32 (also asymmetric) finds the same grid and stays within a rounding of the float model: the check
-is on the whole int4 path (quantizing, nibble panels, the kernel, the engine), where a wrong nibble order or
-group scale sends the perplexity to thousands. In groups of 64 the grid no longer fits and SmolLM2-135M loses
-far more than 5% (about +30% measured; printed, not asserted). `python -m benchmarks.quantization` measures
-the same over 1024-token windows, with greedy agreement.
+int4 is not scored here. Its bound (5%) says little on this model either way: SmolLM2's shipped float weights
+are the dequantized Q4_1 file, 4-bit values in groups of 32 with a scale and a min, so int4-g32 finds their own
+grid and scores +0.00%, while in groups of 64 (its 576-wide inputs do not divide into the default 128) it loses
+about 30%. Both were measured with this test's windows; the second engine cost the suite another minute.
+`python -m benchmarks.quantization` scores every quantization over 1024-token windows, with greedy agreement;
+tests/models/test_int4_engine.py checks the int4 path's tokens against transformers.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"  # scripts/fetch_mod
 HF_DIR = ROOT / "downloads" / "smollm2-135m-instruct-hf"
 TEXTS = [Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/common-licenses/GFDL-1.3")]
 WINDOW, NUM_WINDOWS = 512, 20  # 20 x 511 = 10,220 scored tokens: the issue's floor is 10k
-BOUNDS = {"int8": 0.01, "int4-g32": 0.05}  # relative perplexity increase over the float model allowed
+BOUNDS = {"int8": 0.01}  # relative perplexity increase over the float model allowed
 
 
 def engine_perplexity(quantization: str, windows: list[list[int]]) -> float:
@@ -55,7 +54,7 @@ def transformers_perplexity(windows: list[list[int]]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def test_int8_and_int4_perplexity_stay_within_the_issues_bounds_of_the_float_model():
+def test_int8_perplexity_stays_within_the_issues_bound_of_the_float_model():
     if not (CHECKPOINT / "config.json").exists() or not (HF_DIR / "config.json").exists():
         pytest.skip(f"{CHECKPOINT} or {HF_DIR} is missing; run scripts/fetch_model.sh")
     if not all(text.exists() for text in TEXTS):
