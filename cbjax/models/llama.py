@@ -29,10 +29,10 @@ from cbjax.models.layers.attention import AttentionPlan, write_kv_and_attend
 from cbjax.models.layers.embedding import embedding_rows, quantized_table
 from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.linear import kernel_product, linear
-from kernels_cpu import pack_weight, packable
 from cbjax.models.layers.moe import SparseMoeBlock
 from cbjax.models.layers.norm import RMSNorm
 from cbjax.models.layers.rope import apply_rope, rope_inv_freq
+from kernels_cpu import pack_weight, packable
 from kernels_pallas.reference import AttentionMetadata
 
 # Column blocks of the transposed tied head: separate arrays, as slicing one array inside the step
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nnx.Module):
     def derive_weights(self) -> None:
         """Recompute the DerivedWeights from the parameters (call after loading them)."""
         if self.tied_head is not None and self.tied_head[0].ndim == 3:  # pack_tied_head's panels
-            self.tied_head[0][...] = jnp.asarray(pack_weight(np.asarray(self.model.embed_tokens.embedding[...]).T))
+            self.tied_head[0][...] = self._packed_head()
         elif self.tied_head is not None:
             table = self.model.embed_tokens.embedding[...].T
             for part, columns in zip(self.tied_head, jnp.array_split(table, TIED_HEAD_PARTS, axis=1)):
@@ -233,7 +233,11 @@ class LlamaForCausalLM(nnx.Module):
         no-op where there is no such copy or its dtype or width does not pack."""
         if self.tied_head is None or not packable((self.config.hidden_size, self.config.vocab_size), self.dtype):
             return
-        self.tied_head = nnx.List([DerivedWeight(jnp.asarray(pack_weight(np.asarray(self.model.embed_tokens.embedding[...]).T)))])
+        self.tied_head = nnx.List([DerivedWeight(self._packed_head())])
+
+    def _packed_head(self) -> Array:
+        """The tied table transposed to the head's [hidden, vocab] kernel, in panels for the C++ matmul."""
+        return jnp.asarray(pack_weight(np.asarray(self.model.embed_tokens.embedding[...]).T))
 
     def __call__(
         self,
