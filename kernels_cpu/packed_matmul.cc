@@ -236,9 +236,9 @@ ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // ---- bf16 weights on AMX tiles: 16 rows of x times 32 pairs of k per tile multiply ----
 // Where the CPU has AMX (and Linux grants the process its tile state), every bf16 product runs here,
 // whatever its rows: one path for every batch keeps a row's sums independent of its neighbours. A
-// pass is 16 rows (x's padded rows are zeros) by a panel's 32 columns, two accumulator tiles walking
-// down K 16 pairs at a time; pairs past the last whole tile (K not a multiple of 32) are added with
-// the bf16 dot instruction. At a prompt step's hundreds of rows the tiles do 16x the multiply-adds of
+// pass is 32 rows (16 where no more remain; x's padded rows are zeros) by a panel's 32 columns, four
+// accumulator tiles walking down K 16 pairs at a time; pairs past the last whole tile (K not a multiple
+// of 32) are added with the bf16 dot instruction. At a prompt step's hundreds of rows the tiles do 16x the multiply-adds of
 // vdpbf16ps per instruction; at a decode step's few rows the pass streams the panel as the others do
 // (`python -m benchmarks.decode_dots_bandwidth --packed --dtype bfloat16`).
 #if defined(CBJAX_AMX)
@@ -275,10 +275,10 @@ void configure_tiles() {
 }
 
 // The sums of tile `t` (16 rows x 16 columns), plus the tail pairs s = whole..steps-1 by vdpbf16ps, for the
-// first `rows` rows: x rows `stride` pairs apart, y rows ldy floats apart.
+// first `rows` rows: x rows `steps` pairs apart, as the panel's rows, y rows ldy floats apart.
 template <int T>
-void store_sums(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_t whole, int64_t steps, float* y,
-                int64_t rows, int64_t ldy) {
+void store_sums(const uint32_t* x, const uint16_t* panel, int64_t whole, int64_t steps, float* y, int64_t rows,
+                int64_t ldy) {
   alignas(64) float sums[kTile][16];
   if constexpr (T == 0) _tile_stored(0, sums, 64);  // (the tile number is part of the instruction)
   else if constexpr (T == 1) _tile_stored(1, sums, 64);
@@ -288,16 +288,16 @@ void store_sums(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_
   for (int64_t r = 0; r < rows; ++r) {
     __m512 acc = _mm512_load_ps(sums[r]);
     for (int64_t s = whole; s < steps; ++s)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[r * stride + s]),
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[r * steps + s]),
                              (__m512bh)_mm512_loadu_si512(panel + s * 2 * kPanel + 2 * half));
     _mm512_storeu_ps(y + r * ldy + half, acc);
   }
 }
 
-// R = 1 or 2 blocks of 16 rows of x (bf16 pairs, `stride` pairs apart) times one panel (`steps` pairs of
+// R = 1 or 2 blocks of 16 rows of x (bf16 pairs, `steps` pairs a row) times one panel (`steps` pairs of
 // k x 64 bf16) -> the sums of the first `rows` of them at y (rows ldy floats apart).
 template <int R>
-void amx_pass(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_t steps, float* y, int64_t rows, int64_t ldy) {
+void amx_pass(const uint32_t* x, const uint16_t* panel, int64_t steps, float* y, int64_t rows, int64_t ldy) {
   const int64_t whole = steps / kTile * kTile;
   _tile_zero(0);
   _tile_zero(1);
@@ -308,21 +308,21 @@ void amx_pass(const uint32_t* x, int64_t stride, const uint16_t* panel, int64_t 
   for (int64_t s = 0; s < whole; s += kTile) {
     _tile_loadd(6, panel + s * 2 * kPanel, 4 * kPanel);
     _tile_loadd(7, panel + s * 2 * kPanel + kPanel, 4 * kPanel);
-    _tile_loadd(4, x + s, stride * 4);
+    _tile_loadd(4, x + s, steps * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (R == 2) {
-      _tile_loadd(5, x + kTile * stride + s, stride * 4);
+      _tile_loadd(5, x + kTile * steps + s, steps * 4);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
   const int64_t first = std::min(kTile, rows);
-  store_sums<0>(x, stride, panel, whole, steps, y, first, ldy);
-  store_sums<1>(x, stride, panel, whole, steps, y, first, ldy);
+  store_sums<0>(x, panel, whole, steps, y, first, ldy);
+  store_sums<1>(x, panel, whole, steps, y, first, ldy);
   if constexpr (R == 2) {
-    store_sums<2>(x + kTile * stride, stride, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
-    store_sums<3>(x + kTile * stride, stride, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
+    store_sums<2>(x + kTile * steps, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
+    store_sums<3>(x + kTile * steps, panel, whole, steps, y + kTile * ldy, rows - kTile, ldy);
   }
 }
 
@@ -334,9 +334,9 @@ void amx_panel_product(const uint32_t* x, const uint16_t* w, float* y, int64_t r
   for (int64_t m = 0; m < rows; m += 2 * kTile) {
     float* out = y + m * N + p * kPanel;
     if (rows - m > kTile)
-      amx_pass<2>(x + m * steps, steps, panel, steps, out, std::min(2 * kTile, rows - m), N);
+      amx_pass<2>(x + m * steps, panel, steps, out, std::min(2 * kTile, rows - m), N);
     else
-      amx_pass<1>(x + m * steps, steps, panel, steps, out, rows - m, N);
+      amx_pass<1>(x + m * steps, panel, steps, out, rows - m, N);
   }
   _tile_release();
 }
