@@ -78,8 +78,12 @@ def load_model(
     # Built with the model's activation dtype, so the model filled below reuses this abstract build.
     expected = expected_params(config, jnp.dtype(model_dtype), activation_dtype)
     # Quantized projections are packed after quantizing (int8 panels), not as floats here.
-    arrange = _arrangement(config, model_dtype, fused_projections, pack_for_cpu and quantization is None, pack_floats)
-    if (ckpt_dir / GGUF_FILE).exists():
+    # Without float packing only a GGUF file holds kernels to pack (as stored): no packing step otherwise, so an
+    # orbax checkpoint maps the same cached layout as an unpacked load instead of writing a copy of its own.
+    gguf = (ckpt_dir / GGUF_FILE).exists()
+    arrange = _arrangement(config, model_dtype, fused_projections,
+                           pack_for_cpu and quantization is None and (pack_floats or gguf), pack_floats)
+    if gguf:
         check_as_stored(ckpt_dir, quantization)
         params = read_gguf_params(ckpt_dir / GGUF_FILE, config, model_dtype, tensor_parallel=tensor_parallel is not None)
         if arrange is not None:
