@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 from benchmarks.bf16_peers import SHAPES
+from cbjax.bench.common import write_json
 
 VARIANTS = {"amx": ({}, []), "vdpbf16ps": ({"CBJAX_CPU_AMX": "0"}, []), "xla-dots": ({}, ["--no-cpu-packed-weights"])}
 
@@ -66,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "vs_xla_dots": median / base if base else None}
             ratio = f"{median / base:.2f}x" if base else "-"
             print(f"{shape:<10}{variant:<12}{median:>10.1f}{ratio:>13}  {' '.join(f'{v:.0f}' for v in values)}")
-    if args.result_json:
-        pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.result_json).write_text(json.dumps(table, indent=1))
+    write_json(args.result_json, table)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from cbjax.bench.common import write_json
+
 # name -> (max_num_seqs, prompts, input len, output len, range ratio of both, max_model_len)
 SHAPES = {
     "short-16": (16, 32, 64, 64, 0.75, 512),  # prompts and outputs of 16-112
@@ -68,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             ratio = (cbjax["output_throughput"] / vllm["output_throughput"]
                      if "output_throughput" in cbjax and "output_throughput" in vllm else None)
             results[f"{dtype} {shape}"] = {"cbjax": cbjax, "vllm": vllm, "cbjax_over_vllm": ratio}
-            if args.result_json:  # after every shape: a long run's finished shapes survive an interruption
-                pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-                pathlib.Path(args.result_json).write_text(json.dumps(results, indent=1))
+            write_json(args.result_json, results)  # after every shape: finished shapes survive an interruption
     print(f"\n{'dtype shape':<20}{'cbjax out tok/s':>16}{'vLLM out tok/s':>16}{'cbjax / vLLM':>14}")
     for name, row in results.items():
         tok = lambda system: f"{row[system].get('output_throughput', float('nan')):.1f}"  # noqa: E731
