@@ -23,8 +23,10 @@
 // from input to output), which saves XLA two scatters per layer.
 //
 // Work items are (request, kv head, tile of up to kTileRows query tokens); the rows of a tile
-// and their group of query heads share every key and value row they read, which is converted
-// to f32 once. Items are shared out between the calling thread and XLA's intra-op threads.
+// and their group of query heads share every key and value row they read. Wide items (prompt
+// chunks) convert each to f32 once, into a scratch chunk; narrow ones (decodes) read f32, f16 and
+// bf16 pools in place and widen in registers. Items are shared out between the calling thread
+// and XLA's intra-op threads.
 
 #include <algorithm>
 #include <cmath>
@@ -32,9 +34,10 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -79,6 +82,10 @@ inline void load_row(const float* src, float* dst, int dim) { std::memcpy(dst, s
 
 inline void load_row(const uint16_t* src, float* dst, int dim, F16Tag) {
   int d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= dim; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+#endif
 #if defined(__F16C__)
   for (; d + 8 <= dim; d += 8)
     _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
@@ -373,55 +380,186 @@ inline KeyRange visible_keys(int r, int nk, int64_t c0, const float* limit, cons
   return {(int)std::clamp<int64_t>((int64_t)start[r] - c0, 0, j_hi), j_hi};
 }
 
-// One chunk of keys for a narrow item, NV = dim / 16. qs, acc: [rows][dim]; sc: [rows][kChunk];
-// kc, vc hold kChunk rows of which the first nk are this chunk's keys (the rest stale but finite).
-template <int NV>
-void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const float* kc, const float* vc,
-                      const float* limit, const float* start, float* sc, float* m, float* l, float* acc) {
+// The next chunk's cache lines, fetched a few per key while this chunk's arithmetic runs. Fetched all at once
+// they would queue behind the core's few outstanding misses and be done before the arithmetic began, leaving
+// memory idle while it ran (`python -m benchmarks.profile_long_steps --packed`, the decode cases).
+struct Lines {
+  const char** at = nullptr;
+  int count = 0, next = 0, per_key = 0;
+  void pace(int keys) { per_key = keys > 0 ? (count + keys - 1) / keys : count; }
+  void fetch() {
+    for (const int end = std::min(count, next + per_key); next < end; ++next) __builtin_prefetch(at[next], 0, 3);
+  }
+  void rest() {
+    per_key = count;
+    fetch();
+  }
+};
+
+// Where a narrow chunk's keys and values are read: f32 rows in the scratch, [key][dim] ...
+struct ScratchRows {  // kChunk rows, the first nk this chunk's keys (the rest stale but finite)
+  const float *kc, *vc;
+  int dim;
+  v16 k(int j, int i) const { return *(const v16*)(kc + j * dim + i * kLanes); }
+  v16 v(int j, int i) const { return *(const v16*)(vc + j * dim + i * kLanes); }
+};
+
+// ... or the pool's own rows, one pointer per key, widened as they are loaded (no f32 copy of the chunk: a decode
+// item's keys are each used by only its few rows, and the copy cost as much as their arithmetic).
+template <typename Tag>
+struct PoolRows {
+  using T = typename Pool<Tag>::T;
+  const T *const *k_rows, *const *v_rows;
+  static v16 widen(const T* p);
+  v16 k(int j, int i) const { return widen(k_rows[j] + i * kLanes); }
+  v16 v(int j, int i) const { return widen(v_rows[j] + i * kLanes); }
+};
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+template <>
+inline v16 PoolRows<float>::widen(const float* p) { return *(const v16*)p; }
+template <>
+inline v16 PoolRows<BF16Tag>::widen(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  return (v16)(__builtin_convertvector(*(const h16*)p, u16v) << 16);
+#endif
+}
+#if defined(__F16C__)
+template <>
+inline v16 PoolRows<F16Tag>::widen(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  v16 out;
+  _mm256_storeu_ps((float*)&out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  _mm256_storeu_ps((float*)&out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+  return out;
+#endif
+}
+#endif
+// The pool types whose rows a narrow chunk reads in place (f16 needs F16C; e4m3 widens by a table).
+template <typename Tag>
+constexpr bool kReadsInPlace = std::is_same_v<Tag, float> || std::is_same_v<Tag, BF16Tag>
+#if defined(__F16C__)
+                               || std::is_same_v<Tag, F16Tag>
+#endif
+    ;
+
+// R rows of a narrow item, r0..r0 + R - 1, over one chunk of keys, NV = dim / 16. They share every key and
+// value row they read: each is widened once for all R (rows are a token's query heads of one group). qs,
+// acc: [rows][dim]; sc: [rows][kChunk]. Keys a row does not see score -inf, so each row's probabilities are 0
+// outside its range and the P.V product runs over the rows' joint range.
+template <int NV, int R, typename Rows>
+void narrow_rows(int r0, int nk, int64_t c0, const float* qs, const Rows& kv, const float* limit, const float* start,
+                 float* sc, float* m, float* l, float* acc, Lines& lines) {
   constexpr int dim = NV * kLanes;
+  int lo[R], hi[R], j_lo = nk, j_hi = 0;
+  for (int r = 0; r < R; ++r) {
+    const auto [first, end] = visible_keys(r0 + r, nk, c0, limit, start);
+    lo[r] = first, hi[r] = end;
+    if (first < end) j_lo = std::min(j_lo, first), j_hi = std::max(j_hi, end);
+  }
+  if (j_lo >= j_hi) return;
+  // Whole vectors of 16 keys from the one holding j_lo.
+  const int j_first = j_lo / kLanes * kLanes;
+  v16 q[R][NV], vmax[R];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < NV; ++i) q[r][i] = *(const v16*)(qs + (r0 + r) * dim + i * kLanes);
+    vmax[r] = splat(-INFINITY);
+  }
   const u16v lane = u16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int r = 0; r < rows; ++r) {
-    const auto [j_lo, nk_r] = visible_keys(r, nk, c0, limit, start);
-    if (j_lo == nk_r) continue;
-    // Whole vectors of 16 keys from the one holding j_lo; the keys before j_lo score -inf.
-    const int j_first = j_lo / kLanes * kLanes;
-    v16 q[NV];
-    for (int i = 0; i < NV; ++i) q[i] = *(const v16*)(qs + r * dim + i * kLanes);
-    float* sr = sc + r * kChunk;
-    v16 vmax = splat(-INFINITY);
-    for (int j0 = j_first; j0 < nk_r; j0 += kLanes) {
-      v16 part[kLanes];
-      for (int b = 0; b < kLanes; ++b) {
-        const float* kj = kc + (j0 + b) * dim;
-        v16 dot = q[0] * *(const v16*)kj;
-        for (int i = 1; i < NV; ++i) dot += q[i] * *(const v16*)(kj + i * kLanes);
-        part[b] = dot;
+  for (int j0 = j_first; j0 < j_hi; j0 += kLanes) {
+    v16 part[R][kLanes];
+    for (int b = 0; b < kLanes; ++b) {
+      lines.fetch();
+      v16 k[NV];
+      for (int i = 0; i < NV; ++i) k[i] = kv.k(j0 + b, i);
+      for (int r = 0; r < R; ++r) {
+        v16 dot = q[r][0] * k[0];
+        for (int i = 1; i < NV; ++i) dot += q[r][i] * k[i];
+        part[r][b] = dot;
       }
-      // j_lo <= j < nk_r in one unsigned compare: keys before j_lo wrap around to huge offsets.
-      const u16v offset = lane + (uint32_t)(j0 - j_lo);
-      const v16 scores = offset < (uint32_t)(nk_r - j_lo) ? sum_lanes_of_16(part) : splat(-INFINITY);
-      *(v16*)(sr + j0) = scores;
-      vmax = scores > vmax ? scores : vmax;
     }
-    const float m_new = std::max(m[r], max_of_lanes(vmax));
-    const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - m_new);
+    for (int r = 0; r < R; ++r) {
+      // lo <= j < hi in one unsigned compare: keys before lo wrap around to huge offsets.
+      const u16v offset = lane + (uint32_t)(j0 - lo[r]);
+      const v16 scores = offset < (uint32_t)(hi[r] - lo[r]) ? sum_lanes_of_16(part[r]) : splat(-INFINITY);
+      *(v16*)(sc + (r0 + r) * kChunk + j0) = scores;
+      vmax[r] = scores > vmax[r] ? scores : vmax[r];
+    }
+  }
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    float* sr = sc + (r0 + r) * kChunk;
+    if (lo[r] == hi[r]) {  // no key of this chunk: the row's state is left as it is
+      alpha[r] = 1.0f;
+      for (int j0 = j_first; j0 < j_hi; j0 += kLanes) *(v16*)(sr + j0) = splat(0.0f);
+      continue;
+    }
+    const float m_new = std::max(m[r0 + r], max_of_lanes(vmax[r]));
+    alpha[r] = m[r0 + r] == -INFINITY ? 0.0f : exp_nonpos(m[r0 + r] - m_new);
     v16 vsum = splat(0.0f);
-    for (int j0 = j_first; j0 < nk_r; j0 += kLanes) {
+    for (int j0 = j_first; j0 < j_hi; j0 += kLanes) {
       v16* s = (v16*)(sr + j0);
       const v16 p = *s == splat(-INFINITY) ? splat(0.0f) : exp_nonpos(*s - splat(m_new));
       *s = p;
       vsum += p;
     }
-    l[r] = alpha * l[r] + sum_of_lanes(vsum);
-    m[r] = m_new;
-    v16 a[NV];
-    for (int i = 0; i < NV; ++i) a[i] = *(const v16*)(acc + r * dim + i * kLanes) * alpha;
-    for (int j = j_lo; j < nk_r; ++j) {
-      const float p = sr[j];
-      const float* vj = vc + j * dim;
-      for (int i = 0; i < NV; ++i) a[i] += p * *(const v16*)(vj + i * kLanes);
+    l[r0 + r] = alpha[r] * l[r0 + r] + sum_of_lanes(vsum);
+    m[r0 + r] = m_new;
+  }
+  v16 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = *(const v16*)(acc + (r0 + r) * dim + i * kLanes) * alpha[r];
+  int j = j_lo;
+  if constexpr (R * NV <= 8) {
+    // Few accumulators: even and odd keys into separate ones, so a key's products need not wait for the last
+    // key's (the multiply-add's latency, not its rate, would bound each chain).
+    v16 odd[R][NV] = {};
+    for (; j + 1 < j_hi; j += 2) {
+      v16 v0[NV], v1[NV];
+      for (int i = 0; i < NV; ++i) v0[i] = kv.v(j, i), v1[i] = kv.v(j + 1, i);
+      for (int r = 0; r < R; ++r) {
+        const float p0 = sc[(r0 + r) * kChunk + j], p1 = sc[(r0 + r) * kChunk + j + 1];
+        for (int i = 0; i < NV; ++i) a[r][i] += p0 * v0[i], odd[r][i] += p1 * v1[i];
+      }
     }
-    for (int i = 0; i < NV; ++i) *(v16*)(acc + r * dim + i * kLanes) = a[i];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NV; ++i) a[r][i] += odd[r][i];
+  }
+  for (; j < j_hi; ++j) {
+    v16 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = kv.v(j, i);
+    for (int r = 0; r < R; ++r) {
+      const float p = sc[(r0 + r) * kChunk + j];
+      for (int i = 0; i < NV; ++i) a[r][i] += p * v[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) *(v16*)(acc + (r0 + r) * dim + i * kLanes) = a[r][i];
+}
+
+// One chunk of keys for a narrow item (rows < kWideRows), its rows taken up to kBlock at a time: as many as
+// keep the P.V accumulators (kBlock * NV vectors) in registers.
+template <int NV, typename Rows>
+void narrow_chunk_vec(int rows, int nk, int64_t c0, const float* qs, const Rows& kv, const float* limit,
+                      const float* start, float* sc, float* m, float* l, float* acc, Lines& lines) {
+  constexpr int kBlock = 16 / NV;
+  lines.pace((rows + kBlock - 1) / kBlock * nk);
+  int r0 = 0;
+  for (; r0 + kBlock <= rows; r0 += kBlock)
+    narrow_rows<NV, kBlock>(r0, nk, c0, qs, kv, limit, start, sc, m, l, acc, lines);
+  switch (rows - r0) {
+    case 1:
+      narrow_rows<NV, 1>(r0, nk, c0, qs, kv, limit, start, sc, m, l, acc, lines);
+      break;
+    case 2:
+      narrow_rows<NV, std::min(2, kBlock)>(r0, nk, c0, qs, kv, limit, start, sc, m, l, acc, lines);
+      break;
+    case 3:
+      narrow_rows<NV, std::min(3, kBlock)>(r0, nk, c0, qs, kv, limit, start, sc, m, l, acc, lines);
+      break;
   }
 }
 
@@ -473,7 +611,29 @@ struct Item {
 // starts, the current chunk's keys, values and scores.
 struct Scratch {
   std::vector<float> qs, acc, m, l, limit, start, kc, vc, sc;
+  std::vector<const char*> lines;
 };
+
+// Appends the cache lines of keys [first, end) of one head (its K and V planes) to `lines`, walking their pages.
+template <typename T>
+inline void collect_lines(const T* k_head, const T* v_head, const int32_t* table, const Shapes& s, int64_t first,
+                          int64_t end, Lines& lines) {
+  const int64_t bs = s.block_size, page_stride = s.block_size * s.dim;
+  while (first < end) {
+    const int64_t page_index = first / bs, row = first - page_index * bs;
+    if (page_index >= s.max_blocks) return;
+    const int64_t rows = std::min(bs - row, end - first);
+    const int64_t offset = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1) * page_stride + row * s.dim;
+    const char* k = reinterpret_cast<const char*>(k_head + offset);
+    const char* v = reinterpret_cast<const char*>(v_head + offset);
+    const int64_t bytes = rows * s.dim * (int64_t)sizeof(T);
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+      lines.at[lines.count++] = k + byte;
+      lines.at[lines.count++] = v + byte;
+    }
+    first += rows;
+  }
+}
 
 template <typename Tag>
 void run_item(const Item& item, const Shapes& s, const float* q, const typename Pool<Tag>::T* k_pages,
@@ -497,7 +657,7 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
   // allocating and zeroing the key/value chunks for each was work for nothing (they are
   // written before they are read).
   thread_local Scratch scratch;
-  auto& [qs, acc, m, l, limit, start, kc, vc, sc] = scratch;
+  auto& [qs, acc, m, l, limit, start, kc, vc, sc, line_buffer] = scratch;
   qs.assign(padded * dim, 0.0f);
   acc.assign(padded * dim, 0.0f);
   m.assign(padded, -INFINITY);
@@ -515,45 +675,71 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       if (window > 0) start[r] = (float)std::max<int64_t>(0, first_pos + t + 1 - window);  // and those < start
     }
 
+  // The chunks' keys and values, widened to f32, live in this thread's scratch; a chunk is filled a page's run of
+  // rows at a time (no division or scratch lookup per key).
+  float* const kcp = kc.data();
+  float* const vcp = vc.data();
+  using T = typename Pool<Tag>::T;
+  const T* const k_head = k_pages + item.kv_head * head_stride;
+  const T* const v_head = v_pages + item.kv_head * head_stride;
+  line_buffer.resize(std::max<size_t>(line_buffer.size(), 2 * (kChunk * dim * sizeof(T) / 64 + kChunk + 2)));
+  Lines lines;
+  lines.at = line_buffer.data();
+  // Decode items read the pool in place through one row pointer per key; the chunk's last vector of 16 keys is
+  // padded with a row of zeros.
+  const bool in_place = kReadsInPlace<Tag> && !wide && (dim == 64 || dim == 128);
+  static const T zero_row[128] = {};
+  const T* k_rows[kChunk];
+  const T* v_rows[kChunk];
   for (int64_t c0 = kv_begin; c0 < kv_end; c0 += kChunk) {
     const int nk = (int)std::min<int64_t>(kChunk, kv_end - c0);
-    for (int j = 0; j < nk; ++j) {
-      const int64_t pos = c0 + j, page_index = pos / bs;
+    for (int j = 0; j < nk;) {
+      const int64_t pos = c0 + j, page_index = pos / bs, row = pos - page_index * bs;
       if (page_index >= s.max_blocks) return;  // seq_len beyond the block table: metadata bug
-      const int64_t block = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1);
-      const int64_t offset = item.kv_head * head_stride + block * page_stride + (pos % bs) * s.dim;
-      // The same row of the next page, fetched a page early: pages lie anywhere in the pool, and the hardware
-      // prefetcher stops at each page's end, where every page's first keys would otherwise wait for memory
-      // (`python -m benchmarks.profile_long_steps --packed`, the decode cases).
-      if (pos + bs < kv_end && page_index + 1 < s.max_blocks) {
-        const int64_t next = item.kv_head * head_stride + std::clamp<int64_t>(table[page_index + 1], 0, s.blocks - 1) * page_stride +
-                             (pos % bs) * s.dim;
-        for (int64_t byte = 0; byte < dim * (int64_t)sizeof(typename Pool<Tag>::T); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_pages + next) + byte, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_pages + next) + byte, 0, 3);
-        }
+      const int run = (int)std::min<int64_t>(bs - row, nk - j);
+      const int64_t offset = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1) * page_stride + row * s.dim;
+      if (in_place) {
+        for (int t = 0; t < run; ++t) k_rows[j + t] = k_head + offset + t * dim, v_rows[j + t] = v_head + offset + t * dim;
+      } else {
+        Pool<Tag>::load(k_head + offset, kcp + (int64_t)j * dim, run * dim);
+        Pool<Tag>::load(v_head + offset, vcp + (int64_t)j * dim, run * dim);
       }
-      Pool<Tag>::load(k_pages + offset, &kc[j * dim], dim);
-      Pool<Tag>::load(v_pages + offset, &vc[j * dim], dim);
+      j += run;
     }
+    // The next chunk's keys are fetched while this one's are scored: pages lie anywhere in the pool and the
+    // hardware prefetcher stops at each page's end.
+    lines.count = lines.next = 0;
+    collect_lines(k_head, v_head, table, s, c0 + kChunk, std::min<int64_t>(c0 + 2 * kChunk, kv_end), lines);
     if (wide) {
+      lines.rest();
       const int nk_padded = (nk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // <= kChunk
-      std::fill(kc.begin() + nk * dim, kc.begin() + nk_padded * dim, 0.0f);
-      std::fill(vc.begin() + nk * dim, vc.begin() + nk_padded * dim, 0.0f);
-      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
+      std::fill(kcp + nk * dim, kcp + nk_padded * dim, 0.0f);
+      std::fill(vcp + nk * dim, vcp + nk_padded * dim, 0.0f);
+      wide_chunk(padded, dim, nk_padded, c0, qs.data(), kcp, vcp, limit.data(), start.data(), sc.data(),
                  m.data(), l.data(), acc.data());
       continue;
     }
-    if (dim == 64) {
-      narrow_chunk_vec<4>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
-                          m.data(), l.data(), acc.data());
-    } else if (dim == 128) {
-      narrow_chunk_vec<8>(rows, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(), sc.data(),
-                          m.data(), l.data(), acc.data());
+    auto narrow = [&](const auto& kv) {  // dim 64 or 128: vectors of 16 keys
+      if (dim == 64)
+        narrow_chunk_vec<4>(rows, nk, c0, qs.data(), kv, limit.data(), start.data(), sc.data(), m.data(), l.data(),
+                            acc.data(), lines);
+      else
+        narrow_chunk_vec<8>(rows, nk, c0, qs.data(), kv, limit.data(), start.data(), sc.data(), m.data(), l.data(),
+                            acc.data(), lines);
+    };
+    if (in_place) {
+      if constexpr (kReadsInPlace<Tag>) {  // (in_place is false otherwise)
+        for (int j = nk; j % kLanes; ++j) k_rows[j] = v_rows[j] = zero_row;
+        narrow(PoolRows<Tag>{k_rows, v_rows});
+      }
+    } else if (dim == 64 || dim == 128) {
+      narrow(ScratchRows{kcp, vcp, dim});
     } else {
-      narrow_chunk_scalar(rows, dim, nk, c0, qs.data(), kc.data(), vc.data(), limit.data(), start.data(),
-                          sc.data(), m.data(), l.data(), acc.data());
+      lines.rest();
+      narrow_chunk_scalar(rows, dim, nk, c0, qs.data(), kcp, vcp, limit.data(), start.data(), sc.data(), m.data(),
+                          l.data(), acc.data());
     }
+    lines.rest();
   }
   for (int t = 0; t < item.num_tokens; ++t)
     for (int g = 0; g < group; ++g) {

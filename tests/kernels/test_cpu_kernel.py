@@ -7,6 +7,7 @@ kernel is CPU-only (an XLA:CPU custom call), so there is no `cuda` lowering to c
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import warnings
@@ -23,6 +24,7 @@ from test_kernels import MAX_BLOCKS, SM_SCALE, Case, decode_lengths, fill_pool, 
 import cbjax.models.layers.attention as backend
 from kernels_cpu import build as kernel_build
 from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_cpu.registry import POOL_SUFFIXES
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
@@ -34,6 +36,10 @@ CASES = [
     Case(16, 20, 8, "float16", num_kv_heads=1),  # head_dim not a multiple of 8: the scalar tail
     Case(8, 64, 2, "float32", num_kv_heads=4),
     Case(16, 64, 3, "float32", num_kv_heads=3, kv_dtype="float8_e4m3fn", k_scale=0.05, v_scale=4.0),  # fp8 pool
+    # A decode's rows are a group's query heads, read in blocks that share each key (4 at head_dim 64, 2 at 128):
+    # 7 rows are a block of 4 and one of 3, 3 rows at 128 one of 2 and one of 1; pages of 4 keys.
+    Case(16, 64, 7, "bfloat16", num_kv_heads=1),
+    Case(4, 128, 3, "float16", num_kv_heads=2),
 ]
 
 
@@ -48,16 +54,15 @@ def jit_reference(q, k_pages, v_pages, metadata, block_q: int, sliding_window: i
 
 
 def run_both(
-    case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int, sliding_window: int | None = None
+    case: Case, q_lens: list[int], seq_lens: list[int], num_tokens: int, seed: int, sliding_window: int | None = None,
+    attention=ragged_paged_attention_cpu,
 ):
     """The kernel and the reference on fill_pool's NaN-filled pools, with float32 queries (CPU activations)."""
     rng = np.random.default_rng(seed)
     k_pages, v_pages, block_tables = fill_pool(rng, case, seq_lens)
     q = random_q(rng, case, num_tokens).astype(jnp.float32)
     metadata = ragged_metadata(q_lens, seq_lens, block_tables, num_tokens)
-    kernel = functools.partial(
-        ragged_paged_attention_cpu, sm_scale=SM_SCALE, sliding_window=sliding_window, **case.scales
-    )
+    kernel = functools.partial(attention, sm_scale=SM_SCALE, sliding_window=sliding_window, **case.scales)
     out = jax.jit(kernel)(q, k_pages, v_pages, metadata)
     ref = jit_reference(q, k_pages, v_pages, metadata, block_q=4, sliding_window=sliding_window, **case.scales)
     return np.asarray(out), np.asarray(ref)
@@ -84,6 +89,29 @@ def test_mixed_batch_equals_reference(case: Case):
     out, ref = run_both(case, q_lens, seq_lens, num_tokens, seed=1)
     assert_close(out, ref)
     assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
+
+
+def assert_build_attends_like_reference(library: ctypes.CDLL, tag: str) -> None:
+    """Another build of the kernels' library (test_packed_matmul's, without AMX, AVX-512 or its successors: the
+    CI machine may lack what this one has): decode and mixed batches over float32, float16 and bfloat16 pools,
+    through its attention targets (registered under `tag`), equal the reference."""
+    for suffix in ("F32", "F16", "BF16"):
+        jax.ffi.register_ffi_target(f"CbjaxPagedAttention{suffix}_test_{tag}",
+                                    jax.ffi.pycapsule(getattr(library, f"CbjaxPagedAttention{suffix}")), platform="cpu")
+
+    def attention(q, k_pages, v_pages, metadata, sm_scale, sliding_window, k_scale, v_scale):
+        assert (k_scale, v_scale, sliding_window) == (1.0, 1.0, None)
+        call = jax.ffi.ffi_call(f"CbjaxPagedAttention{POOL_SUFFIXES[k_pages.dtype]}_test_{tag}",
+                                jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        request_metadata = (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
+        return call(q, k_pages, v_pages, *request_metadata, sm_scale=np.float32(sm_scale), sliding_window=np.int32(0))
+
+    for case in (Case(8, 64, 2, "float32", num_kv_heads=4), Case(16, 64, 7, "bfloat16", num_kv_heads=1),
+                 Case(4, 128, 3, "float16")):
+        seq_lens = decode_lengths(case.block_size)
+        q_lens = [min(1, s) for s in seq_lens]
+        for batch in ((q_lens, seq_lens, sum(q_lens)), mixed_batch(case.block_size)):
+            assert_close(*run_both(case, *batch, seed=2, attention=attention))
 
 
 # (case, window): every pool dtype and chunk path (scalar, 64- and 128-wide vectors) once, with a
