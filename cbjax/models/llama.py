@@ -31,7 +31,7 @@ from cbjax.models.layers.kv_pool import KVPool
 from cbjax.models.layers.linear import kernel_product, linear
 from cbjax.models.layers.moe import SparseMoeBlock
 from cbjax.models.layers.norm import RMSNorm
-from cbjax.models.layers.rope import apply_rope, rope_inv_freq
+from cbjax.models.layers.rope import rope_cos_sin, rope_inv_freq, rotate
 from kernels_cpu import pack_weight, packable
 from kernels_pallas.reference import AttentionMetadata
 
@@ -83,8 +83,9 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, config.num_key_value_heads, config.head_dim)
         if config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(config, self.layer_index)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        # One cos and sin per token for q's and k's heads alike.
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(config, self.layer_index))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.sm_scale, plan, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, -1), plan), kv_pool
 

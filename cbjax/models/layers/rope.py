@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -42,15 +43,27 @@ def _llama3_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float
     return np.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(
-    x: Float[Array, "tokens heads dim"],
-    positions: Int[Array, "tokens"],
-    inv_freq: np.ndarray,
-) -> Float[Array, "tokens heads dim"]:
-    """Rotate each token's heads by its position; angles in float32, the product in x's dtype (as HF)."""
+def rope_cos_sin(
+    positions: Int[Array, "tokens"], inv_freq: np.ndarray
+) -> tuple[Float[Array, "tokens 1 dim"], Float[Array, "tokens 1 dim"]]:
+    """Each token's rotation, cos and sin of its angles (float32), for every head of q and k alike.
+
+    Each half is copied to both halves of the head by a product with [I I]: exact, and a dot is one op XLA:CPU
+    does not fuse into the rotation, so cos and sin are computed once per token and frequency. As elementwise
+    ops they were fused into q's and k's rotations and evaluated again for every head
+    (`python -m benchmarks.profile_long_steps`, the fusions).
+    """
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, D]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = angles.shape[-1]
+    both_halves = jnp.asarray(np.concatenate([np.eye(half, dtype=np.float32)] * 2, axis=1))  # [D/2, D]
+    cos, sin = (jnp.dot(f(angles), both_halves, precision=jax.lax.Precision.HIGHEST) for f in (jnp.cos, jnp.sin))
+    return cos[:, None, :], sin[:, None, :]
+
+
+def rotate(
+    x: Float[Array, "tokens heads dim"], cos: Float[Array, "tokens 1 dim"], sin: Float[Array, "tokens 1 dim"]
+) -> Float[Array, "tokens heads dim"]:
+    """x rotated by rope_cos_sin's angles; the product in x's dtype (as HF)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
