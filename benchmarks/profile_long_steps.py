@@ -1,11 +1,13 @@
-"""Where a SmolLM2 step's time goes at the 64-sequence, long-context shapes (issue 14).
+"""Where a SmolLM2 step's time goes at the 64-sequence, long-context shapes (issue 14), and at short decodes.
 
     PYTHONPATH=. python benchmarks/profile_long_steps.py --model checkpoints/smollm2-135m-instruct \
         --result-json bench_results/profile_long_steps.json
+    python -m benchmarks.profile_long_steps --model downloads/SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32 \
+        --packed --cases "decode 1 x 64" "decode 16 x 64"     # a GGUF file as stored (the engine's form of it)
 
 Each case is one compiled step of the real model (bf16 weights, float32 activations, float16
 pool, the C++ attention kernel; `--dtype float32` for float32 weights, `--packed` for the projections packed
-for the C++ matmul as the engine packs them), timed whole (median of --repeats calls, each writing into the
+for the C++ matmul as the engine packs them; a .gguf --model is served as stored), timed whole (median of --repeats calls, each writing into the
 pool the last returned, as the engine's donated steps do), then traced once with jax.profiler and its XLA:CPU
 ops summed by kind (dots, fusions, ...; each C++ custom call by its kernel).
 """
@@ -27,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.resolve import resolve_model
 from cbjax.models.layers.kv_pool import init_kv_pool
 from cbjax.models.layers.attention import AttentionPlan
 from kernels_pallas.reference import AttentionMetadata
@@ -40,6 +43,8 @@ CASES = {
     "mixed 512: 63 decodes x 400 + a 449-token chunk over 749": [(1, 400)] * 63 + [(449, 749)],
     "mixed 256: 15 decodes x 600 + a 241-token chunk over 777": [(1, 600)] * 15 + [(241, 777)],
     "prefill 512: one chunk over 512": [(512, 512)],
+    "decode 1 x 64": [(1, 64)],  # short decodes, where the weights' bytes set the step (issue 38)
+    "decode 16 x 64": [(1, 64)] * 16,
 }
 
 
@@ -119,7 +124,8 @@ def main() -> None:
         from kernels_cpu import kernel_problem
 
         assert kernel_problem() is None, kernel_problem()
-    model, config = load_model(args.model, args.dtype, "float32", pack_for_cpu=args.packed)
+    # A GGUF file: its as-stored directory, as LLM(model="file.gguf") serves it.
+    model, config = load_model(resolve_model(args.model), args.dtype, "float32", pack_for_cpu=args.packed)
     graphdef, state = nnx.split(model)
     weights, treedef = jax.tree_util.tree_flatten(state)
     results = {}
