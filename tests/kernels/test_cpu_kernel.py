@@ -92,9 +92,9 @@ def test_mixed_batch_equals_reference(case: Case):
 
 
 def assert_build_attends_like_reference(library: ctypes.CDLL, tag: str) -> None:
-    """Another build of the kernels' library (test_packed_matmul's, without AMX, AVX-512 or its successors: the
-    CI machine may lack what this one has): decode and mixed batches over float32, float16 and bfloat16 pools,
-    through its attention targets (registered under `tag`), equal the reference."""
+    """Another build of the kernels' library (test_packed_matmul's x86-64-v3 one, without AVX-512: the CI machine
+    may lack what this one has): decode and mixed batches over float32, float16 and bfloat16 pools, through its
+    attention targets (registered under `tag`), equal the reference."""
     for suffix in ("F32", "F16", "BF16"):
         jax.ffi.register_ffi_target(f"CbjaxPagedAttention{suffix}_test_{tag}",
                                     jax.ffi.pycapsule(getattr(library, f"CbjaxPagedAttention{suffix}")), platform="cpu")

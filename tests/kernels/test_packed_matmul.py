@@ -112,8 +112,8 @@ def checkpoint(tmp_path_factory):
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: native without AMX is the bf16 dot instruction (vdpbf16ps)
     where this CPU has it, x86-64-v4 is AVX-512 without the bf16 dot instruction (bf16 pairs widened to float32),
-    x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group) and 4-bit ones too; and the
-    same builds' attention (x86-64-v3 widens f16 and bf16 pool rows without AVX-512)."""
+    x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group) and 4-bit ones too; and
+    x86-64-v3's attention, which widens f16 and bf16 pool rows without AVX-512."""
     import kernels_cpu.build as kernel_build
 
     flags = kernel_build.cpu_features().split()
@@ -162,7 +162,8 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(nibbles), scales, mins)
         np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins), rtol=1e-4, atol=1e-4)
-    assert_build_attends_like_reference(library, tag)
+    if march == "x86-64-v3":  # the other builds compile the attention's AVX-512 code, as the default one does
+        assert_build_attends_like_reference(library, tag)
 
 
 def forward_logits(model, token_ids: list[int], backend: str) -> np.ndarray:
