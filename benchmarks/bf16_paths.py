@@ -20,23 +20,20 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.bf16_peers import SHAPES
+from benchmarks.bf16_peers import SHAPES, shape_args
 from cbjax.bench.common import write_json
 
 VARIANTS = {"amx": ({}, []), "vdpbf16ps": ({"CBJAX_CPU_AMX": "0"}, []), "xla-dots": ({}, ["--no-cpu-packed-weights"])}
 
 
 def throughput(shape: str, variant: str, model: str) -> float:
-    seqs, prompts, input_len, output_len, ratio, max_model_len = SHAPES[shape]
     env, flags = VARIANTS[variant]
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "run.json"
         subprocess.run(
             [sys.executable, "-m", "cbjax", "bench", "throughput", "--model", model, "--dtype", "bfloat16",
-             "--kv-cache-dtype", "float16", "--num-prompts", str(prompts), "--input-len", str(input_len),
-             "--output-len", str(output_len), "--range-ratio", str(ratio), "--max-num-seqs", str(seqs),
-             "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "256",
-             "--kv-cache-memory-bytes", str(4 << 30), *flags, "--result-json", str(out)],
+             "--kv-cache-dtype", "float16", *shape_args(shape), "--kv-cache-memory-bytes", str(4 << 30), *flags,
+             "--result-json", str(out)],
             check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         return json.loads(out.read_text())["medians"]["continuous"]["output_throughput"]

@@ -38,15 +38,20 @@ DTYPES = {
 }
 
 
-def run_shape(shape: str, dtype: str, repeats: int, model: str, hf_dir: str) -> dict:
+def shape_args(shape: str) -> list[str]:
+    """The workload flags of `shape`, which `cbjax.bench.peers` and `cbjax bench throughput` both take."""
     seqs, prompts, input_len, output_len, ratio, max_model_len = SHAPES[shape]
+    return ["--num-prompts", str(prompts), "--input-len", str(input_len), "--output-len", str(output_len),
+            "--range-ratio", str(ratio), "--max-num-seqs", str(seqs), "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", "256"]
+
+
+def run_shape(shape: str, dtype: str, repeats: int, model: str, hf_dir: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "peers.json"
         command = [
             sys.executable, "-m", "cbjax.bench.peers", "--systems", "cbjax", "vllm", "--model", model, "--hf-dir", hf_dir,
-            "--num-prompts", str(prompts), "--input-len", str(input_len), "--output-len", str(output_len),
-            "--range-ratio", str(ratio), "--max-num-seqs", str(seqs), "--max-model-len", str(max_model_len),
-            "--max-num-batched-tokens", "256", "--repeats", str(repeats), *DTYPES[dtype], "--result-json", str(out),
+            *shape_args(shape), "--repeats", str(repeats), *DTYPES[dtype], "--result-json", str(out),
         ]
         print(f"== {dtype} {shape}: {' '.join(command[1:])}", flush=True)
         subprocess.run(command, check=True, env=os.environ)

@@ -7,8 +7,8 @@
 
 Each case is one compiled step of the real model (bf16 weights, float32 activations, float16
 pool, the C++ attention kernel; `--dtype float32` for float32 weights, `--packed` for the projections packed
-for the C++ matmul as the engine packs them; a .gguf --model is served as stored), timed whole (median of --repeats calls, each writing into the
-pool the last returned, as the engine's donated steps do), then traced once with jax.profiler and its XLA:CPU
+for the C++ matmul as the engine packs them; a .gguf --model is served as stored), timed whole (median of
+--repeats calls, each writing into the pool the last returned, as the engine's donated steps do), then traced once with jax.profiler and its XLA:CPU
 ops summed by kind (dots, fusions, ...; each C++ custom call by its kernel).
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import pathlib
 import re
 import tempfile
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cbjax.bench.common import write_json
 from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.models.layers.kv_pool import init_kv_pool
@@ -161,9 +161,7 @@ def main() -> None:
         results[case] = {"step_ms_median": float(np.median(times)), "profiled_ms_by_op_kind": by_kind}
         print(f"{case}: step {np.median(times):.1f} ms; " + ", ".join(f"{k} {v:.1f}" for k, v in list(by_kind.items())[:8]))
         del pool
-    if args.result_json:
-        pathlib.Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.result_json).write_text(json.dumps(results, indent=2))
+    write_json(args.result_json, results)
 
 
 if __name__ == "__main__":
