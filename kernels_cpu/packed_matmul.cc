@@ -238,9 +238,9 @@ ffi::Error matmul_f32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // whatever its rows: one path for every batch keeps a row's sums independent of its neighbours. A
 // pass is 32 rows (16 where no more remain; x's padded rows are zeros) by a panel's 32 columns, four
 // accumulator tiles walking down K 16 pairs at a time; pairs past the last whole tile (K not a multiple
-// of 32) are added with the bf16 dot instruction. At a prompt step's hundreds of rows the tiles do 16x the multiply-adds of
-// vdpbf16ps per instruction; at a decode step's few rows the pass streams the panel as the others do
-// (`python -m benchmarks.decode_dots_bandwidth --packed --dtype bfloat16`).
+// of 32) are added with the bf16 dot instruction. At a prompt step's hundreds of rows the tiles do 16x the
+// multiply-adds of vdpbf16ps per instruction; at a decode step's few rows the pass streams the panel as the
+// others do (`python -m benchmarks.decode_dots_bandwidth --packed --dtype bfloat16`).
 #if defined(CBJAX_AMX)
 constexpr int64_t kTile = 16;  // rows of x per pass, and pairs of k per tile multiply
 

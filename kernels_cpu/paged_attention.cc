@@ -699,7 +699,10 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
       const int run = (int)std::min<int64_t>(bs - row, nk - j);
       const int64_t offset = std::clamp<int64_t>(table[page_index], 0, s.blocks - 1) * page_stride + row * s.dim;
       if (in_place) {
-        for (int t = 0; t < run; ++t) k_rows[j + t] = k_head + offset + t * dim, v_rows[j + t] = v_head + offset + t * dim;
+        for (int t = 0; t < run; ++t) {
+          k_rows[j + t] = k_head + offset + t * dim;
+          v_rows[j + t] = v_head + offset + t * dim;
+        }
       } else {
         Pool<Tag>::load(k_head + offset, kcp + (int64_t)j * dim, run * dim);
         Pool<Tag>::load(v_head + offset, vcp + (int64_t)j * dim, run * dim);
