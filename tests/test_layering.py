@@ -158,12 +158,16 @@ def test_the_front_end_modules_import_no_jax():
 
 
 # Put first on the server's PYTHONPATH: each process it starts writes, as it exits, which device
-# libraries it had imported (the front end exits normally on SIGTERM; the core is its child).
+# libraries it had imported (the front end exits normally on SIGTERM; the core is its child). A report
+# appears whole or not at all: a helper process exiting late (multiprocessing's resource tracker) is still
+# writing its own while the test reads the others.
 REPORT_AT_EXIT = """
 import atexit, json, os, sys
 def _report():
-    with open(os.path.join({folder!r}, f"{{os.getpid()}}.json"), "w") as out:
+    path = os.path.join({folder!r}, f"{{os.getpid()}}.json")
+    with open(path + ".partial", "w") as out:
         json.dump(sorted(m for m in {libraries!r} if m in sys.modules), out)
+    os.replace(path + ".partial", path)
 atexit.register(_report)
 """
 
