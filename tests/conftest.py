@@ -1,9 +1,22 @@
-"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU; no compilation or weights cache."""
+"""Shared test setup: the `gpu` marker skips cleanly on machines without a CUDA GPU; one XLA compilation cache
+for the session in a temporary folder, never the user's compilation or weights cache."""
 
 import os
+import shutil
+import tempfile
 
-import jax
-import pytest
+# One XLA compilation cache for the whole session, in a temporary folder: its workers and their child
+# processes (set before JAX is imported, which reads it from the environment). Many files build the same
+# tiny models with the same options, whose step programs then compile once per session instead of once
+# per file. Tracing still runs, so a test that patches the code gets its own program; JAX's compile event
+# (engine_helpers.CompileCounter) fires on a cache hit too.
+_SESSION_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _SESSION_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbjax-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # The tests build many throwaway tiny models: keep their steps out of the user's compilation cache
 # (tests/worker/test_compile_cache.py turns it on in its own processes).
@@ -38,3 +51,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    if _SESSION_XLA_CACHE is not None:  # the process that made it (pytest's controller, or the only process)
+        shutil.rmtree(_SESSION_XLA_CACHE, ignore_errors=True)
