@@ -11,7 +11,9 @@ import tempfile
 # processes (set before JAX is imported, which reads it from the environment). Many files build the same
 # tiny models with the same options, whose step programs then compile once per session instead of once
 # per file. Tracing still runs, so a test that patches the code gets its own program; JAX's compile event
-# (engine_helpers.CompileCounter) fires on a cache hit too.
+# (engine_helpers.CompileCounter) fires on a cache hit too. JAX writes entries without a lock unless the cache
+# has a size limit, and with one it lists the whole folder on every write (minutes over this suite): a worker
+# reading an entry that another is writing that very moment gets a warning and compiles the step itself.
 _SESSION_XLA_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbjax-tests-xla-")
