@@ -8,8 +8,9 @@
 Each case is one compiled step of the real model (bf16 weights, float32 activations, float16
 pool, the C++ attention kernel; `--dtype float32` for float32 weights, `--packed` for the projections packed
 for the C++ matmul as the engine packs them; a .gguf --model is served as stored), timed whole (median of
---repeats calls, each writing into the pool the last returned, as the engine's donated steps do), then traced once with jax.profiler and its XLA:CPU
-ops summed by kind (dots, fusions, ...; each C++ custom call by its kernel).
+--repeats calls, each writing into the pool the last returned, as the engine's donated steps do), then traced
+once with jax.profiler and its XLA:CPU ops summed by kind (dots, fusions, ...; each C++ custom call by its
+kernel).
 """
 
 from __future__ import annotations
