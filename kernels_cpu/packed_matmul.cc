@@ -496,6 +496,12 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. Per row and group the kernel
 // sums x_k * q (q widened to f32 in registers) and adds scales * that sum + mins * (the group's sum of
 // x), so weights never exist as floats. The group sums of x are made once per call, in double.
+// At 16-64 rows a pass is bound by float32 multiply-adds. AMX tiles were tried for them and not kept: x cut
+// into three bf16 parts that sum to x exactly, q widened to bf16 pairs by a table lookup, each 32-k group's
+// tile sums stored and finished by the vector units, the three stages pipelined over k-tiles. It ran about
+// as fast as these passes at 16 and 64 rows and at half their speed at 1 (`python -m benchmarks.quant_kernels`):
+// every group costs tile loads of x's three parts and tile stores of its sums, which did not overlap the
+// vector work.
 
 constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), beside 4 weight vectors
 
