@@ -17,7 +17,17 @@ be built, `kernel_problem()` says why and the engine serves with the jnp paths i
 """
 
 from kernels_cpu.attention import ragged_paged_attention_cpu, write_kv_and_attend_cpu
-from kernels_cpu.matmul import LAYOUT, pack_weight, packable, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu.matmul import (
+    LAYOUT,
+    group_rows_packable,
+    pack_group_rows,
+    pack_weight,
+    packable,
+    packed_matmul_cpu,
+    packed_matmul_reference,
+    unpack_group_rows,
+    unpack_weight,
+)
 from kernels_cpu.registry import (
     bf16_matmul_path,
     build_hash,
@@ -31,8 +41,10 @@ __all__ = [
     "LAYOUT",
     "bf16_matmul_path",
     "build_hash",
+    "group_rows_packable",
     "kernel_problem",
     "kernel_registered",
+    "pack_group_rows",
     "pack_weight",
     "packable",
     "packed_matmul_cpu",
@@ -40,6 +52,7 @@ __all__ = [
     "ragged_paged_attention_cpu",
     "register_in_background",
     "registration_deferred",
+    "unpack_group_rows",
     "unpack_weight",
     "write_kv_and_attend_cpu",
 ]

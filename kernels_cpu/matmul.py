@@ -10,7 +10,10 @@ float32 scales [N], or [K / G, N] for a scale per group of G inputs) packs as [c
 zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
 float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
 and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
-32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes.
+32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes. Where N is a whole number of
+panels the engine packs their scales and mins too (`pack_group_rows`), as [N / 32, K / G, 32]: each panel's
+groups follow one another, a stream beside its nibbles rather than rows N floats apart, which the kernel reads
+faster at a decode step's few rows (`python -m benchmarks.quant_kernels --kernels int4-g32 int4-g32-rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from kernels_cpu.quant4 import int4_matmul
 from kernels_cpu.registry import target
 
 PANEL = 32  # columns per panel
-LAYOUT = "packed-2"  # the packed layout's name in the weights cache: a new one for any change to pack_weight or to what is packed
+# The packed layout's name in the weights cache: a new one for any change to pack_weight or to what is packed.
+LAYOUT = "packed-3"
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
            jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
 QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded
@@ -57,6 +61,27 @@ def pack_weight(
     return np.ascontiguousarray(pairs.transpose(2, 0, 3, 1)).reshape(n // PANEL, -1, 2 * PANEL)
 
 
+def group_rows_packable(rows: Float[np.ndarray, "g n"]) -> bool:
+    """Whether 4-bit scales or mins [K / G, N] pack (`pack_group_rows`): N a whole number of panels."""
+    return rows.ndim == 2 and rows.shape[1] > 0 and rows.shape[1] % PANEL == 0
+
+
+def pack_group_rows(rows: Float[np.ndarray, "g n"]) -> Float[np.ndarray, "panels g width"]:
+    """4-bit scales or mins [K / G, N] -> [N / 32, K / G, 32] (N a whole number of panels), contiguous: panel
+    p's groups one after another, as the kernel reads them beside panel p's nibbles."""
+    if not group_rows_packable(rows):
+        raise ValueError(f"pack_group_rows takes 4-bit scales or mins [K / G, N] with N a multiple of {PANEL}, "
+                         f"got {rows.shape}")
+    groups, n = rows.shape
+    return np.ascontiguousarray(np.asarray(rows).reshape(groups, n // PANEL, PANEL).transpose(1, 0, 2))
+
+
+def unpack_group_rows(packed: Float[Array, "panels g width"]) -> Float[Array, "g n"]:
+    """pack_group_rows' inverse (numpy or jnp)."""
+    panels, groups, width = packed.shape
+    return packed.transpose(1, 0, 2).reshape(groups, panels * width)
+
+
 def unpack_weight(packed: Float[Array, "panels steps width"], k: int | None = None, n: int | None = None) -> Float[Array, "k n"]:
     """pack_weight's inverse; `k` trims the zero row that pads a bfloat16 weight of odd K, `n` the
     zero columns that pad an int8 weight's last panel."""
@@ -70,9 +95,12 @@ def packed_matmul_reference(
     x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
     mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
-    """x @ w from the packed w (int8: with its scales, x @ (q * scales); 4-bit: scales and mins [K / G, N],
-    x @ (q * scales + mins) by groups), in jnp (any platform): what the kernel computes."""
+    """x @ w from the packed w (int8: with its scales, x @ (q * scales); 4-bit: scales and mins [K / G, N]
+    or packed [N / 32, K / G, 32], x @ (q * scales + mins) by groups), in jnp (any platform): what the kernel
+    computes."""
     if packed.dtype == jnp.uint8:
+        if scales.ndim == 3:
+            scales, mins = unpack_group_rows(scales), unpack_group_rows(mins)
         return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     if packed.dtype == jnp.int8:
         return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales)
@@ -86,15 +114,21 @@ def packed_matmul_cpu(
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
     its float32 scales [N] (w = q * scales per column) or [K / G, N] (per group of G inputs), which also
-    give N; 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group)."""
+    give N; 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or
+    packed by pack_group_rows ([N / 32, K / G, 32], N whole panels)."""
     dtype = jnp.dtype(packed.dtype)
-    expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2,)}.get(dtype)  # scales' ranks, None: no scales
+    # scales' ranks (None: no scales); 4-bit 3: packed by panel
+    expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3)}.get(dtype)
+    if scales is not None and scales.ndim == 3:  # 4-bit, packed by panel: N is whole panels
+        scales_n = scales.shape[0] * PANEL if scales.shape[2] == PANEL else 0
+    else:
+        scales_n = None if scales is None else scales.shape[-1]
     per_step = 2 if dtype in (jnp.bfloat16, jnp.uint8) else 1  # k per step of a panel
     if (
         packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
         or -(-x.shape[-1] // per_step) != packed.shape[1]
         or (scales is None) != (expected_scales is None) or (mins is None) != (dtype != jnp.uint8)
-        or (scales is not None and (scales.ndim not in expected_scales or -(-scales.shape[-1] // PANEL) != packed.shape[0]))
+        or (scales is not None and (scales.ndim not in expected_scales or -(-scales_n // PANEL) != packed.shape[0]))
         or (mins is not None and mins.shape != scales.shape)
     ):
         raise ValueError(
@@ -102,11 +136,11 @@ def packed_matmul_cpu(
             f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape} (float32 "
             f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
             f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N]; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
-            f"and mins [K / G, N])"
+            f"and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}])"
         )
     if dtype == jnp.int8 and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])
-    n = packed.shape[0] * PANEL if scales is None else scales.shape[-1]
+    n = packed.shape[0] * PANEL if scales is None else scales_n
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
     operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)
     return jax.ffi.ffi_call(target(TARGETS[dtype]), out)(x.astype(jnp.float32), packed, *operands)

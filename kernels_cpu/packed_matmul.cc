@@ -7,7 +7,8 @@
 //      or s8 [ceil(N / 32), K, 32] with f32 scales [K / G, N] (w[k, n] = q[k, n] * scales[k / G, n]) or
 //      [N] (one group, G = K): int8 weights, zero columns padding N up to a panel; each group's sum of
 //      x * q is multiplied by its scales once, at the group's end
-//      or u8 [ceil(N / 32), K / 2, 32] with f32 scales and mins [K / G, N]: 4-bit nibbles (see below)
+//      or u8 [ceil(N / 32), K / 2, 32] with f32 scales and mins [K / G, N] or [ceil(N / 32), K / G, 32]: 4-bit
+//      nibbles (see below)
 //   y  f32 [rows, N]
 // With bf16 weights x is rounded to bf16 first (to nearest even) and the products summed in
 // f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16). int8 and 4-bit weights are
@@ -493,7 +494,8 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 // ---- 4-bit groups: w[k, n] = scales[g, n] * q[k, n] + mins[g, n], q in 0..15, g = k / G ----
 // q as nibble panels u8 [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c's q at k = 2s
-// (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. Per row and group the kernel
+// (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. scales and mins [K / G, N], or by
+// panel [ceil(N / 32), K / G, 32] (each panel's groups one after another). Per row and group the kernel
 // sums x_k * q (q widened to f32 in registers) and adds scales * that sum + mins * (the group's sum of
 // x), so weights never exist as floats. The group sums of x are made once per call, in double.
 // At 16-64 rows a pass is bound by float32 multiply-adds. AMX tiles were tried for them and not kept: x cut
@@ -516,18 +518,19 @@ inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
 
 // R rows of x (K apart; their group sums `groups` apart) times one nibble panel -> R x 32 outputs,
 // the first `width` at y (rows ldy apart), which holds the sum over the groups done so far: a group's
-// sums stay in registers and are added to y at its end. scales/mins point at the panel's first column (rows N apart).
+// sums stay in registers and are added to y at its end. scales/mins point at the panel's first group's 32
+// (a group's `stride` floats after the last one's).
 template <int R>
 void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
-             float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
+             float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   const __mmask16 low = width >= 16 ? 0xffff : (1u << width) - 1;
   const __mmask16 high = width >= 32 ? 0xffff : width <= 16 ? 0 : (1u << (width - 16)) - 1;
   const uint8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     if (g + kGroupsAhead < groups) {
-      prefetch_group_row(scales + (g + kGroupsAhead) * N);
-      prefetch_group_row(mins + (g + kGroupsAhead) * N);
+      prefetch_group_row(scales + (g + kGroupsAhead) * stride);
+      prefetch_group_row(mins + (g + kGroupsAhead) * stride);
     }
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -542,8 +545,9 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
         acc[r][1] = _mm512_fmadd_ps(x1, hi1, _mm512_fmadd_ps(x0, lo1, acc[r][1]));
       }
     }
-    const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
-    const __m512 m0 = _mm512_maskz_loadu_ps(low, mins + g * N), m1 = _mm512_maskz_loadu_ps(high, mins + g * N + 16);
+    const float *group_scales = scales + g * stride, *group_mins = mins + g * stride;
+    const __m512 s0 = _mm512_maskz_loadu_ps(low, group_scales), s1 = _mm512_maskz_loadu_ps(high, group_scales + 16);
+    const __m512 m0 = _mm512_maskz_loadu_ps(low, group_mins), m1 = _mm512_maskz_loadu_ps(high, group_mins + 16);
     for (int r = 0; r < R; ++r) {
       float* out = y + r * ldy;
       const __m512 sum = _mm512_set1_ps(x_sums[r * groups + g]);
@@ -557,7 +561,7 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
 #else
 template <int R>
 void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
-             float* y, int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
+             float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
   const uint8_t* wp = panel;
@@ -570,7 +574,7 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
       }
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < width; ++c)
-        total[r][c] += acc[r][c] * scales[g * N + c] + x_sums[r * groups + g] * mins[g * N + c];
+        total[r][c] += acc[r][c] * scales[g * stride + c] + x_sums[r * groups + g] * mins[g * stride + c];
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, total[r], width * sizeof(float));
 }
@@ -578,17 +582,23 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
 
 ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
-  const auto sd = scales.dimensions(), wd = w.dimensions(), xd = x.dimensions();
-  if (sd.size() != 2 || mins.dimensions().size() != 2 || mins.dimensions()[0] != sd[0] || mins.dimensions()[1] != sd[1])
-    return ffi::Error::InvalidArgument("cbjax packed matmul: 4-bit scales and mins must both be [K / G, N]");
-  const int64_t groups = sd[0], N = sd[1];
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel || wd[0] != (N + kPanel - 1) / kPanel)
+  const auto sd = scales.dimensions(), md = mins.dimensions(), wd = w.dimensions(), xd = x.dimensions();
+  const bool panel_major = sd.size() == 3;  // [ceil(N / 32), K / G, 32] rather than [K / G, N]
+  if ((sd.size() != 2 && !panel_major) || md.size() != sd.size() || !std::equal(sd.begin(), sd.end(), md.begin()) ||
+      (panel_major && sd[2] != kPanel) || xd.size() < 1)
+    return ffi::Error::InvalidArgument(
+        "cbjax packed matmul: 4-bit scales and mins must both be [K / G, N] or [ceil(N / 32), K / G, 32]");
+  const int64_t K = xd.back(), groups = panel_major ? sd[1] : sd[0];
+  const int64_t N = panel_major ? (y->dimensions().size() == 0 ? 0 : y->dimensions().back()) : sd[1];
+  if (wd.size() != 3 || wd[2] != kPanel || wd[0] != (N + kPanel - 1) / kPanel || (panel_major && sd[0] != wd[0]))
     return ffi::Error::InvalidArgument("cbjax packed matmul: 4-bit w must be u8 [ceil(N / 32), K / 2, 32]");
-  const int64_t K = xd.back();
   if (2 * wd[1] != K || groups == 0 || K % groups != 0 || (K / groups) % 2 != 0 ||
       y->element_count() * K != x.element_count() * N)
     return ffi::Error::InvalidArgument(
         "cbjax packed matmul: 4-bit x's last dim must be 2 x w's K / 2, an even group size G = K / groups, y [rows, N]");
+  // Panel p's scales (and mins) start `panel_scales` floats after panel p - 1's, and a group's 32 `scale_stride`
+  // floats after the last group's: rows of [K / G, N], or one after another by panel (matmul.py's pack_group_rows).
+  const int64_t scale_stride = panel_major ? kPanel : N, panel_scales = panel_major ? groups * kPanel : kPanel;
   const int64_t rows = K == 0 ? 0 : x.element_count() / K, group = K / groups;
   if (rows == 0 || N == 0) return ffi::Error::Success();
   std::vector<float> x_sums(rows * groups);  // outlives the helpers' reads: the caller waits for every panel
@@ -605,12 +615,13 @@ ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   cbjax_kernels::share_out(pool, wd[0], [=](int64_t p) {
     const uint8_t* panel = q + p * (K / 2) * kPanel;
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
+    const float *sp = s + p * panel_scales, *mp = m + p * panel_scales;
     int64_t r = 0;
     for (; r + kRowsQ4 <= rows; r += kRowsQ4)
-      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
+      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, sp, mp, out + r * N + c, K, group, scale_stride, N, width);
     if (r < rows)
       with_rows<kRowsQ4>(rows - r, [&](auto n) {
-        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, s + c, m + c, out + r * N + c, K, group, N, N, width);
+        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, sp, mp, out + r * N + c, K, group, scale_stride, N, width);
       });
   });
   return ffi::Error::Success();

@@ -111,6 +111,10 @@ def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
             "5 F32 (output_norm.weight, ") in caplog.text
     layer = packed.model.layers[0]
     assert layer.self_attn.qkv_proj.kernel[...].dtype == np.uint8 and layer.mlp.down_proj.kernel[...].dtype == np.int8
+    # 4-bit scales and mins packed by panel beside their nibble panels (linear.pack_scales_beside), int8 scales not
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.scales[...].shape == qkv.mins[...].shape == (qkv.kernel.shape[0], 2 * qkv.kernel.shape[1] // 32, 32)
+    assert layer.mlp.down_proj.scales[...].ndim == 2
     assert packed.model.embed_tokens.embedding[...].dtype == np.int8  # the tied head's kernel, in int8 panels
     unpacked, _ = load_model(stored, fused_projections=True)  # the jnp path (GPUs, cpu_packed_weights=False)
     reference, _ = load_model(imported, pack_for_cpu=True, fused_projections=True)

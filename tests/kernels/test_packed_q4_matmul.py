@@ -15,7 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from kernels_cpu import pack_weight, packed_matmul_cpu, packed_matmul_reference, unpack_weight
+from kernels_cpu import (
+    pack_group_rows,
+    pack_weight,
+    packed_matmul_cpu,
+    packed_matmul_reference,
+    unpack_group_rows,
+    unpack_weight,
+)
 from kernels_cpu.quant4 import dequantize_int4, int4_matmul, pack_nibbles, quantize_int4
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
@@ -48,6 +55,30 @@ def test_q4_kernel_and_its_reference_match_float64_within_the_derived_bound(rows
     for out in (kernel(x, packed, scales, mins), reference(x, packed, scales, mins), int4_matmul(x, nibbles, scales, mins)):
         out = np.asarray(out, np.float64)
         assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+@pytest.mark.parametrize("rows,k,group,n", [(1, 576, 32, 960), (7, 128, 128, 64), (64, 256, 64, 96),
+                                            ((2, 3), 64, 32, 32)])
+def test_scales_and_mins_packed_by_panel_give_the_same_sums(rows, k, group, n):
+    """Scales and mins packed by panel (pack_group_rows: the engine's form where N is whole panels, one stream
+    per panel) are the same numbers read in the same order: the kernel's outputs equal those from [K / G, N]
+    bit for bit, and the reference's are within the bound."""
+    x, nibbles, scales, mins, expected, bound = q4_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(nibbles)
+    by_panel = [pack_group_rows(a) for a in (scales, mins)]
+    assert by_panel[0].shape == (n // 32, k // group, 32)
+    np.testing.assert_array_equal(unpack_group_rows(by_panel[1]), mins)
+    np.testing.assert_array_equal(np.asarray(kernel(x, packed, *by_panel)), np.asarray(kernel(x, packed, scales, mins)))
+    out = np.asarray(reference(x, packed, *by_panel), np.float64)
+    assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+def test_scales_pack_by_panel_only_for_whole_panels_and_must_match_the_nibbles():
+    with pytest.raises(ValueError, match=r"with N a multiple of 32, got \(2, 40\)"):
+        pack_group_rows(np.ones((2, 40), np.float32))
+    x, nibbles, scales, mins, _, _ = q4_product(np.random.default_rng(), 2, 64, 32, 64)
+    with pytest.raises(ValueError, match=r"packed weight uint8 \(2, 32, 32\) with scales \(3, 2, 32\)"):
+        packed_matmul_cpu(x, pack_weight(nibbles), *(pack_group_rows(np.tile(a, 2)[:, :96]) for a in (scales, mins)))
 
 
 @pytest.mark.parametrize("group", [32, 192])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cbjax.models.layers.embedding import dequantized_columns
-from kernels_cpu import pack_weight
+from kernels_cpu import pack_group_rows, pack_weight
 from kernels_cpu.quant import quantize_int8
 from kernels_cpu.quant4 import dequantize_int4, quantize_int4
 
@@ -20,11 +20,15 @@ def _int8_groups(rng: np.random.Generator, hidden: int, vocab: int, group: int):
     return (q, scales), q.astype(np.float64) * np.repeat(scales.astype(np.float64), group, axis=0)
 
 
-@pytest.mark.parametrize("form", ["int8", "int8-g16", "int4-g32"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_gathered_rows_are_the_dequantized_kernels_columns(form, packed):
+# (form, layout): unpacked, in panels, or in panels with 4-bit scales and mins packed by panel as well (the
+# engine's form where the width is whole panels: linear.pack_scales_beside)
+LAYOUTS = [(form, layout) for form in ("int8", "int8-g16", "int4-g32") for layout in ("unpacked", "panels")]
+
+
+@pytest.mark.parametrize("form,layout", [*LAYOUTS, ("int4-g32", "panels, scales by panel")])
+def test_gathered_rows_are_the_dequantized_kernels_columns(form, layout):
     rng = np.random.default_rng()
-    hidden, vocab = 64, 70  # a last panel of 6 columns
+    hidden, vocab = 64, 96 if layout == "panels, scales by panel" else 70  # 70: a last panel of 6 columns
     if form == "int8":
         q, scales = quantize_int8(rng.standard_normal((hidden, vocab)).astype(np.float32))
         leaves, reference = (q, scales), q.astype(np.float64) * scales
@@ -36,7 +40,9 @@ def test_gathered_rows_are_the_dequantized_kernels_columns(form, packed):
     kernel, *quantized = leaves
     token_ids = rng.integers(0, vocab, 9)
     token_ids[:2] = (0, vocab - 1)
-    rows = dequantized_columns(jnp.asarray(pack_weight(kernel) if packed else kernel),
+    if layout == "panels, scales by panel":
+        quantized = [pack_group_rows(leaf) for leaf in quantized]
+    rows = dequantized_columns(jnp.asarray(kernel if layout == "unpacked" else pack_weight(kernel)),
                                [jnp.asarray(leaf) for leaf in quantized], jnp.asarray(token_ids))
     assert rows.shape == (9, hidden) and rows.dtype == jnp.float32
     # q * scale (+ min) once in float32: within one float32 rounding of the float64 value

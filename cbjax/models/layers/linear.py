@@ -11,7 +11,14 @@ from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
-from kernels_cpu import pack_weight, packable, packed_matmul_cpu, packed_matmul_reference
+from kernels_cpu import (
+    group_rows_packable,
+    pack_group_rows,
+    pack_weight,
+    packable,
+    packed_matmul_cpu,
+    packed_matmul_reference,
+)
 from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
@@ -74,9 +81,19 @@ def pack_linears(params: dict[str, np.ndarray], dtype: str | np.dtype, floats: b
     for name in [n for n in params if is_quantized_projection(n, (0, 0)) or is_head_or_embedding(n)]:
         if params[name].dtype in QUANTIZED_KERNELS:
             params[name] = pack_weight(params.pop(name))  # as stored: int8 or nibble panels
+            pack_scales_beside(params, name)
         elif floats and is_quantized_projection(name, (0, 0)) and packable(params[name].shape, dtype):
             params[name] = pack_weight(params.pop(name).astype(jnp.dtype(dtype), copy=False))
     return params
+
+
+def pack_scales_beside(params: dict[str, np.ndarray], kernel_name: str) -> None:
+    """Pack the scales and mins beside a packed 4-bit kernel by panel (kernels_cpu.pack_group_rows), where its
+    width is whole panels: the C++ kernel then reads each panel's as one stream. int8 scales stay as they are."""
+    prefix = kernel_name[: kernel_name.rindex(".") + 1]
+    if params[kernel_name].dtype == jnp.uint8 and group_rows_packable(params[prefix + "scales"]):
+        for leaf in ("scales", "mins"):
+            params[prefix + leaf] = pack_group_rows(params.pop(prefix + leaf))
 
 
 def float_equivalent_bytes(params: dict[str, Array], dtype: jnp.dtype) -> int:
@@ -93,7 +110,9 @@ def float_equivalent_bytes(params: dict[str, Array], dtype: jnp.dtype) -> int:
             total += array.nbytes
             continue
         k = array.shape[-2] if array.ndim == 3 else array.shape[0]  # panels [P, K(/2), 32] or [K(/2), N]
-        total += k * (2 if array.dtype == jnp.uint8 else 1) * params[f"{prefix}.scales"].shape[-1] * jnp.dtype(dtype).itemsize
+        scales = params[f"{prefix}.scales"]
+        n = scales.shape[0] * scales.shape[2] if scales.ndim == 3 else scales.shape[-1]  # packed: [N / 32, K / G, 32]
+        total += k * (2 if array.dtype == jnp.uint8 else 1) * n * jnp.dtype(dtype).itemsize
     return total
 
 
@@ -114,7 +133,8 @@ def quantize_linears(
     """`params` with every decoder layer's projection kernel [in, out] quantized (kernels_cpu.quant,
     quant4): "int8" `...kernel` int8 and `...scales` [out] float32 beside it; "int4" `...kernel` uint8
     nibbles [in / 2, out] and `...scales`, `...mins` [in / G, out] (G 128, or the name's "-gG"). With `pack`, the kernel is packed in
-    32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight). Embeddings and the LM head
+    32-column panels for the CPU matmul kernel (kernels_cpu.pack_weight), 4-bit scales and mins by panel
+    too (pack_scales_beside). Embeddings and the LM head
     stay in the activation dtype (their rows are gathered, and the head's error lands on every logit) unless
     `lm_head`: then the LM head kernel [hidden, vocab] is quantized too, or, in a tied model, the embedding
     [vocab, hidden] as that kernel (its transpose; layers/embedding.py gathers its rows): int8 per vocabulary
@@ -135,6 +155,8 @@ def quantize_linears(
             q, *beside = quantize_int8(weight) if quantization == "int8" else quantize_int4(weight, int4_group_size(quantization))
             params.update(zip((name[: name.rindex(".") + 1] + leaf for leaf in ("scales", "mins")), beside))
             params[name] = pack_weight(q) if pack else q
+            if pack:
+                pack_scales_beside(params, name)
     return params
 
 
