@@ -11,14 +11,8 @@ from jaxtyping import Array, Float
 
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
-from kernels_cpu import (
-    group_rows_packable,
-    pack_group_rows,
-    pack_weight,
-    packable,
-    packed_matmul_cpu,
-    packed_matmul_reference,
-)
+from kernels_cpu import group_rows_packable, pack_group_rows, pack_weight, packable, packed_matmul_cpu
+from kernels_cpu import packed_matmul_reference
 from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
