@@ -72,18 +72,31 @@ def write_as_stored_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 def _write_description(reader: GGUFReader, gguf_path: str | Path, out_dir: str | Path) -> tuple[dict, GGUFNames]:
     """config.json, generation_config.json and the tokenizer files into `out_dir`; the config and tensor names."""
-    metadata = read_metadata(reader)
-    names = gguf_names(metadata, gguf_path)
     # Everything that can refuse the file runs before the first byte is written.
-    config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
+    metadata, config, names = _description(reader, gguf_path)
     tokenizer = build_tokenizer(metadata)
-    check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"], names)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     _write_tokenizer_files(tokenizer, metadata, out_dir)
     return config, names
+
+
+def gguf_config(gguf_path: str | Path) -> dict:
+    """The Hugging Face config of `gguf_path` as write_as_stored_dir writes it, from its metadata and tensor
+    names alone (no tensor data is read; refused as the importer refuses the file)."""
+    return _description(GGUFReader(gguf_path), gguf_path)[1]
+
+
+def _description(reader: GGUFReader, gguf_path: str | Path) -> tuple[dict, dict, GGUFNames]:
+    """The file's metadata, its Hugging Face config and its architecture's tensor names; refuses an
+    architecture or a tensor list the importer cannot read, naming what it can."""
+    metadata = read_metadata(reader)
+    names = gguf_names(metadata, gguf_path)
+    config = llama_config(metadata, tensor_names={t.name for t in reader.tensors})
+    check_tensors([tensor.name for tensor in reader.tensors], config["num_hidden_layers"], names)
+    return metadata, config, names
 
 
 def import_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> Path:

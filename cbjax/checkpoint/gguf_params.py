@@ -17,6 +17,7 @@ import collections
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGUFReader
@@ -30,7 +31,7 @@ from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
 from cbjax.checkpoint.params import check_params, expected_params, hf_to_params
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import FUSED_PROJECTIONS, is_head_or_embedding, is_quantized_projection
-from cbjax.models.registry import architecture
+from cbjax.models.registry import GGUFNames, architecture
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,7 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
     it stands for). Under `tensor_parallel` the embedding and head are dequantized: the vocabulary split
     takes a float table (as quantize_lm_head, a quantized head is for one device)."""
     reader = GGUFReader(gguf_path)
-    architecture_field = reader.fields.get("general.architecture")  # the only key needed: the rest is the tokenizer's
-    names = gguf_names({"general.architecture": architecture_field and architecture_field.contents()}, gguf_path)
-    slots = {tensor.name: _our_name(hf_tensor_name(tensor.name, names), config) for tensor in reader.tensors}
-    stored = _kept_as_stored({tensor.name: tensor.tensor_type for tensor in reader.tensors}, slots)
-    if tensor_parallel:
-        stored = {gguf for gguf in stored if not is_head_or_embedding(slots[gguf])}
+    names, slots, stored = _tensor_forms(reader, gguf_path, config, tensor_parallel)
     params: dict[str, np.ndarray] = {}
     logical: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # the float tensor each kept one stands for
     kept, dequantized = collections.Counter(), collections.defaultdict(list)
@@ -83,6 +79,26 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
     return params
 
 
+def gguf_stored_shapes(gguf_path: str | Path, config: ModelConfig, dtype: str | jnp.dtype,
+                       tensor_parallel: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """The parameters read_gguf_params makes of the file, as shapes and dtypes, from its tensor list alone (no
+    tensor data is read): what `cbjax plan` counts for a GGUF file served as stored."""
+    reader = GGUFReader(gguf_path)
+    _, slots, stored = _tensor_forms(reader, gguf_path, config, tensor_parallel)
+    shapes = expected_params(config, jnp.dtype(dtype))  # every tensor dequantized to dtype; then the kept ones
+    for tensor in reader.tensors:
+        if tensor.name in stored:
+            name = slots[tensor.name]
+            out, k = (int(d) for d in reversed(tensor.shape))
+            del shapes[name]  # the float tensor it stands for, replaced by the leaves it is kept as
+            bits, group = STORED_FORMS[tensor.tensor_type]
+            kernel = ((k // 2, out), jnp.uint8) if bits == 4 else ((k, out), jnp.int8)
+            leaves = {name: kernel, **{name[: name.rindex(".") + 1] + leaf: ((k // group, out), jnp.float32)
+                                       for leaf in (("scales", "mins") if bits == 4 else ("scales",))}}
+            shapes.update({leaf: jax.ShapeDtypeStruct(*form) for leaf, form in leaves.items()})
+    return shapes
+
+
 def check_as_stored(model_dir: Path, quantization: str | None) -> None:
     """Refuse what a GGUF file served as stored cannot do, naming the way that can."""
     if quantization is not None:
@@ -101,6 +117,19 @@ def _dequantized(tensor, gguf_path: str | Path) -> np.ndarray:
             f"({', '.join(t.name for t in STORED_FORMS)}) nor the gguf package's dequantizer reads; "
             f"requantize the model to one of those or a common type (Q8_0, Q6_K, F16)"
         ) from error
+
+
+def _tensor_forms(reader: GGUFReader, gguf_path: str | Path, config: ModelConfig,
+                  tensor_parallel: bool) -> tuple[GGUFNames, dict[str, str | None], set[str]]:
+    """The file's tensor names (gguf_names), our parameter name for each of its tensors, and the GGUF names of
+    those kept as stored (under `tensor_parallel` not the embedding and head: the vocabulary split takes floats)."""
+    architecture_field = reader.fields.get("general.architecture")  # the only key needed: the rest is the tokenizer's
+    names = gguf_names({"general.architecture": architecture_field and architecture_field.contents()}, gguf_path)
+    slots = {tensor.name: _our_name(hf_tensor_name(tensor.name, names), config) for tensor in reader.tensors}
+    stored = _kept_as_stored({tensor.name: tensor.tensor_type for tensor in reader.tensors}, slots)
+    if tensor_parallel:
+        stored = {gguf for gguf in stored if not is_head_or_embedding(slots[gguf])}
+    return names, slots, stored
 
 
 def _our_name(hf_name: str, config: ModelConfig) -> str | None:

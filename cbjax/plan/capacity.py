@@ -7,10 +7,11 @@ rules of `models/tensor_parallel.py`; the pool's bytes per block are the registr
 the device's published memory with the weights in use. With a quantization the decoder projections
 count what the engine stores (declare_quantized): "int8" 1 byte a weight and a float32 scale a column,
 "int4-gG" half a byte a weight and a float32 scale and min per G inputs a column; embeddings, the LM head
-and MoE experts stay in dtype. Presets (cbjax/plan/presets/*.json) are the
-Hugging Face config.json files of meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-8B,
-Llama-3.1-70B, Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct, and the mixture-of-experts
-Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1.
+and MoE experts stay in dtype. A GGUF file (`--config FILE.gguf`) counts what the loader makes of its tensors
+(gguf_params.gguf_stored_shapes: the quantized ones as stored, the rest in dtype), from its tensor list alone.
+Presets (cbjax/plan/presets/*.json) are the Hugging Face config.json files of meta-llama/Meta-Llama-3-8B,
+Meta-Llama-3-70B, Llama-3.1-8B, Llama-3.1-70B, Qwen/Qwen2.5-7B-Instruct, Qwen2.5-72B-Instruct, and the
+mixture-of-experts Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1.
 
 A mixture-of-experts model counts every expert's weights in memory, and per token only the top-k
 experts' (its active parameters). Its decode roofline reads, per layer, the experts a batch of b
@@ -24,6 +25,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -45,6 +47,7 @@ from cbjax.models.tensor_parallel import (
 )
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+AS_STORED = "GGUF as stored"  # a plan's quantization for a GGUF file: its quantized tensors as the engine keeps them
 ROOFLINE_BATCH_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
 
 
@@ -66,7 +69,7 @@ class CapacityPlan:
     tensor_parallel_size: int
     expert_parallel: bool  # a MoE model's experts placed whole on devices, num_experts / tensor_parallel_size each
     dtype: str
-    quantization: str | None  # the decoder projections' (None: in dtype)
+    quantization: str | None  # the decoder projections' (None: in dtype; AS_STORED: a GGUF file's tensors as stored)
     quantize_lm_head: bool  # the LM head (a tied model's embedding) quantized as the projections
     kv_cache_dtype: str
     max_model_len: int
@@ -88,16 +91,22 @@ class CapacityPlan:
 
 
 def load_model_config(config_or_preset: str) -> tuple[str, ModelConfig]:
-    """A preset name, a config.json file or a directory holding one -> (a name for it, the config)."""
+    """A preset name, a config.json file, a directory holding one or a GGUF file (its config from its metadata)
+    -> (a name for it, the config)."""
     preset = PRESETS_DIR / f"{config_or_preset}.json"
     path = Path(config_or_preset)
+    if path.suffix == ".gguf" and path.is_file():
+        from cbjax.checkpoint.gguf_import import gguf_config  # the gguf package: only a GGUF file needs it
+
+        return config_or_preset, ModelConfig.from_hf_config(gguf_config(path))
     if preset.is_file():
         path = preset
     elif path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
-        raise ValueError(f"{config_or_preset!r} is neither a preset ({presets}) nor a config.json file or directory")
+        raise ValueError(f"{config_or_preset!r} is neither a preset ({presets}) nor a config.json file, a directory "
+                         f"holding one or a .gguf file")
     return config_or_preset, ModelConfig.from_hf_config(json.loads(path.read_text()))
 
 
@@ -136,6 +145,17 @@ def weight_bytes_per_device(model: nnx.Module, config: ModelConfig, tensor_paral
     (representative_model)."""
     shards = _parameter_shards(model, config, tensor_parallel_size, expert_parallel)
     return sum(size * itemsize * count for path, size, itemsize, count in shards if not experts_only or "experts" in path)
+
+
+def stored_bytes_per_device(params: dict[str, jax.ShapeDtypeStruct], config: ModelConfig, tensor_parallel_size: int,
+                            experts_only: bool = False, expert_parallel: bool = False) -> int:
+    """weight_bytes_per_device of the whole model's parameters by name, as a file stores them
+    (gguf_params.gguf_stored_shapes), not of a representative model."""
+    return sum(
+        math.prod(shard_shape(tuple(name.split(".")), spec.shape, config, tensor_parallel_size, expert_parallel))
+        * jnp.dtype(spec.dtype).itemsize
+        for name, spec in params.items() if not experts_only or ".experts." in name
+    )
 
 
 def parameter_counts(model: nnx.Module, config: ModelConfig) -> tuple[int, int]:
@@ -179,13 +199,19 @@ def plan_capacity(
     expert_parallel: bool = False,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    gguf: str | Path | None = None,
 ) -> CapacityPlan:
     """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
     expert, or placed whole with expert_parallel), its decoder projections quantized as `quantization` says
     (the weights' bytes are those it stores; parameters are counted unquantized), with quantize_lm_head its LM head
-    (a tied model's embedding) too; ValueError if it cannot run."""
+    (a tied model's embedding) too, or (`gguf`, the file `config` came from) as that file is served as stored:
+    its quantized tensors as the engine keeps them, the rest in dtype; ValueError if it cannot run."""
     check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
     check_quantized_lm_head(quantize_lm_head, quantization, tensor_parallel_size)
+    if gguf is not None:
+        from cbjax.checkpoint.gguf_params import check_as_stored, gguf_stored_shapes  # the gguf package
+
+        check_as_stored(Path(gguf), quantization)
     engine_config = EngineConfig(
         model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, quantization=quantization,
@@ -195,14 +221,23 @@ def plan_capacity(
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     parameters, active_parameters = parameter_counts(representative_model(config, weight_dtype), config)
     model = representative_model(config, weight_dtype, quantization, quantize_lm_head)
-    check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
-    weights = weight_bytes_per_device(model, config, tensor_parallel_size, expert_parallel=expert_parallel)
-    expert_bytes = weight_bytes_per_device(model, config, tensor_parallel_size, experts_only=True,
-                                           expert_parallel=expert_parallel)
+    if gguf is None:
+        check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
+
+        def weights_at(n: int, experts_only: bool = False) -> int:
+            return weight_bytes_per_device(model, config, n, experts_only, expert_parallel)
+    else:  # under tensor parallelism the embedding and head are dequantized (gguf_params.read_gguf_params)
+        check_whole_groups(gguf_stored_shapes(gguf, config, weight_dtype, tensor_parallel_size > 1), config,
+                           tensor_parallel_size)
+
+        def weights_at(n: int, experts_only: bool = False) -> int:
+            stored = gguf_stored_shapes(gguf, config, weight_dtype, tensor_parallel=n > 1)
+            return stored_bytes_per_device(stored, config, n, experts_only, expert_parallel)
+    weights = weights_at(tensor_parallel_size)
+    expert_bytes = weights_at(tensor_parallel_size, experts_only=True)
     usable = int(device.memory_bytes * gpu_memory_utilization)
     if weights >= usable:
-        fitting = [n for n in valid_tensor_parallel_sizes(config, expert_parallel)
-                   if weight_bytes_per_device(model, config, n, expert_parallel=expert_parallel) < usable]
+        fitting = [n for n in valid_tensor_parallel_sizes(config, expert_parallel) if weights_at(n) < usable]
         fix = f"use tensor_parallel_size={fitting[0]}, " if fitting else "no valid tensor_parallel_size fits; use "
         raise ValueError(
             f"the weights take {weights / 2**30:.1f} GiB per device at tensor_parallel_size={tensor_parallel_size}; "
@@ -228,7 +263,7 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
-        quantization=quantization,
+        quantization=AS_STORED if gguf is not None else quantization,
         quantize_lm_head=quantize_lm_head,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,
@@ -271,10 +306,16 @@ def format_plan(plan: CapacityPlan) -> str:
     """The plan as the text `cbjax plan` prints."""
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     device, n = plan.device, plan.tensor_parallel_size
+    if plan.quantization == AS_STORED:
+        quantized = " (the GGUF file's quantized tensors as stored)"
+    elif plan.quantization:
+        quantized = f" (decoder projections{' and LM head' if plan.quantize_lm_head else ''} {plan.quantization})"
+    else:
+        quantized = ""
     lines = [
         f"{plan.model} on {n} x {device.description} ({gib(device.memory_bytes)}, "
-        f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}"
-        + (f" (decoder projections{' and LM head' if plan.quantize_lm_head else ''} {plan.quantization})" if plan.quantization else "") + f", KV cache {plan.kv_cache_dtype}",
+        f"{device.bandwidth_bytes_per_s / 1e12:.3g} TB/s each), weights {plan.dtype}{quantized}, "
+        f"KV cache {plan.kv_cache_dtype}",
         f"parameters:                    {plan.parameters / 1e9:.2f} B"
         + (f", {plan.active_parameters / 1e9:.2f} B active per token" if plan.active_parameters != plan.parameters else ""),
         f"weights per device:            {gib(plan.weight_bytes_per_device)} ({plan.weight_bytes_per_device:,} bytes)"

@@ -22,12 +22,16 @@ from tokenizers import Tokenizer
 
 from cbjax import LLM, SamplingParams
 from cbjax.checkpoint.convert import convert_checkpoint
-from cbjax.checkpoint.gguf_import import import_gguf, write_as_stored_dir
-from cbjax.checkpoint.gguf_params import _kept_as_stored
+from cbjax.checkpoint.gguf_import import GGUF_FILE, import_gguf, write_as_stored_dir
+from cbjax.checkpoint.gguf_params import _kept_as_stored, gguf_stored_shapes, read_gguf_params
 from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
 from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
 from cbjax.checkpoint.loader import load_model
+from cbjax.entrypoints.cli.main import main
 from cbjax.entrypoints.demo import PLAIN_PROMPTS
+from cbjax.models.config import ModelConfig
+from cbjax.plan.accelerators import accelerator
+from cbjax.plan.capacity import AS_STORED, load_model_config, plan_capacity
 from kernels_cpu.quant4 import dequantize_int4
 
 SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct"
@@ -143,6 +147,33 @@ def test_llm_serves_a_gguf_file_with_its_own_tokenizer_as_transformers_serves_it
                            SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert outputs[0].prompt_token_ids == prompts[0]  # the GGUF's tokenizer, rebuilt as the importer does
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_dir, p, 8) for p in prompts]
+
+
+def test_plan_counts_a_gguf_file_as_the_loader_holds_it(tiny_gguf, capsys):
+    """`cbjax plan --config FILE.gguf`: the config the engine serves the file with, and the bytes of what the
+    loader makes of its tensors (kept as stored, the rest in dtype), from the tensor list alone: at one device
+    exactly the loaded parameters' bytes; under tensor parallelism (embedding and head dequantized) the same
+    names, shapes and dtypes as the loader's."""
+    gguf_file = tiny_gguf[0] / GGUF_FILE
+    name, config = load_model_config(str(gguf_file))
+    assert config == ModelConfig.from_dir(tiny_gguf[0])  # the as-stored directory's config.json
+    plan = plan_capacity(name, config, accelerator("h100"), 1, dtype="float32", gguf=gguf_file)
+    loaded = read_gguf_params(gguf_file, config, "float32")
+    assert plan.quantization == AS_STORED
+    assert plan.weight_bytes_per_device == sum(array.nbytes for array in loaded.values())
+    for tensor_parallel in (False, True):
+        shapes = gguf_stored_shapes(gguf_file, config, "float32", tensor_parallel)
+        params = loaded if not tensor_parallel else read_gguf_params(gguf_file, config, "float32", tensor_parallel=True)
+        want = {name: (array.shape, array.dtype) for name, array in params.items()}
+        assert {name: (tuple(spec.shape), spec.dtype) for name, spec in shapes.items()} == want
+    main(["plan", "--config", str(gguf_file), "--device", "h100", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "weights float32 (the GGUF file's quantized tensors as stored)" in out
+    assert f"({plan.weight_bytes_per_device:,} bytes)" in out
+    with pytest.raises(ValueError, match="already quantized; quantization='int4' cannot quantize them again"):
+        plan_capacity(name, config, accelerator("h100"), 1, quantization="int4", gguf=gguf_file)
+    with pytest.raises(SystemExit, match=f"would lower the float model .* use --model {gguf_file}"):
+        main(["lower", "--config", str(gguf_file)])
 
 
 def test_a_gguf_model_is_not_quantized_again(tiny_gguf):

@@ -56,6 +56,9 @@ def _lower_config(args: argparse.Namespace) -> list:
     from cbjax.config import EngineConfig
     from cbjax.plan.capacity import load_model_config
 
+    if args.config.endswith(".gguf"):
+        sys.exit(f"cbjax lower: --config {args.config} would lower the float model its metadata describes, not the "
+                 f"file's quantized tensors; use --model {args.config}, which loads the file as stored")
     try:
         name, model_config = load_model_config(args.config)
         runner = abstract_runner(model_config, EngineConfig(model=name, **engine_options(args)), args.platform)

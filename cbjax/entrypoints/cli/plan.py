@@ -12,7 +12,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     from cbjax.quantization import QUANTIZATIONS
 
     p = sub.add_parser("plan", help="weights, KV capacity and a decode roofline per device under tensor parallelism")
-    p.add_argument("--config", required=True, help="a preset (e.g. llama-3-70b), a config.json or a model directory")
+    p.add_argument("--config", required=True, help="a preset (e.g. llama-3-70b), a config.json, a model directory or a "
+                   "GGUF file (its weights counted as served: quantized tensors as stored)")
     p.add_argument("--device", required=True, choices=list(ACCELERATORS))
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -41,6 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
             quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+            gguf=args.config if args.config.endswith(".gguf") else None,
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")
