@@ -511,9 +511,10 @@ constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), besi
 // Columns 16h..16h+15 of a step: their bytes widened to 32-bit lanes, the low nibbles (k = 2s) and the high ones
 // (2s + 1) as floats.
 inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  lo = _mm512_permutexvar_ps(bytes, values);  // vpermps reads each index's low 4 bits: the low nibble
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 }
 
 // R rows of x (K apart; their group sums `groups` apart) times one nibble panel -> R x 32 outputs,
