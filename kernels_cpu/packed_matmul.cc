@@ -61,6 +61,11 @@ constexpr int64_t kPanel = 32;  // columns per panel
 // kGroupsAhead groups early (benchmarks/quant_kernels.py).
 constexpr int64_t kGroupsAhead = 2;
 
+// int8 and 4-bit panels are prefetched 4 KiB ahead (128 steps of 32 bytes): with a quarter (an eighth) of float32's
+// bytes per weight a step goes by in a few cycles, and 8-16 steps ahead, the distance float32's panels use, left
+// the streams waiting on memory (`python -m benchmarks.quant_kernels --kernels float32 int8 int8-g32 int4-g32`).
+constexpr int64_t kQuantizedAhead = 4096;
+
 inline void prefetch_group_row(const float* row) {  // a panel's 32 floats: two cache lines
   __builtin_prefetch(row, 0, 3);
   __builtin_prefetch(row + 16, 0, 3);
@@ -423,7 +428,7 @@ void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y,
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + 8 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kQuantizedAhead), _MM_HINT_T0);
       const __m512 w0 = widen16(wp), w1 = widen16(wp + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -536,7 +541,7 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kQuantizedAhead), _MM_HINT_T0);
       __m512 lo0, hi0, lo1, hi1;
       load_nibbles(wp, lo0, hi0);
       load_nibbles(wp + 16, lo1, hi1);
