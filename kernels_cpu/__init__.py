@@ -25,6 +25,7 @@ from kernels_cpu.matmul import (
     packable,
     packed_matmul_cpu,
     packed_matmul_reference,
+    scales_width,
     unpack_group_rows,
     unpack_weight,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "ragged_paged_attention_cpu",
     "register_in_background",
     "registration_deferred",
+    "scales_width",
     "unpack_group_rows",
     "unpack_weight",
     "write_kv_and_attend_cpu",

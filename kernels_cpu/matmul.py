@@ -76,6 +76,11 @@ def pack_group_rows(rows: Float[np.ndarray, "g n"]) -> Float[np.ndarray, "panels
     return np.ascontiguousarray(np.asarray(rows).reshape(groups, n // PANEL, PANEL).transpose(1, 0, 2))
 
 
+def scales_width(scales: Float[Array, "..."]) -> int:
+    """The output columns N that scales stand for: [N], [K / G, N], or packed by panel [N / 32, K / G, 32]."""
+    return scales.shape[0] * scales.shape[2] if scales.ndim == 3 else scales.shape[-1]
+
+
 def unpack_group_rows(packed: Float[Array, "panels g width"]) -> Float[Array, "g n"]:
     """pack_group_rows' inverse (numpy or jnp)."""
     panels, groups, width = packed.shape
@@ -119,16 +124,13 @@ def packed_matmul_cpu(
     dtype = jnp.dtype(packed.dtype)
     # scales' ranks (None: no scales); 4-bit 3: packed by panel
     expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3)}.get(dtype)
-    if scales is not None and scales.ndim == 3:  # 4-bit, packed by panel: N is whole panels
-        scales_n = scales.shape[0] * PANEL if scales.shape[2] == PANEL else 0
-    else:
-        scales_n = None if scales is None else scales.shape[-1]
     per_step = 2 if dtype in (jnp.bfloat16, jnp.uint8) else 1  # k per step of a panel
     if (
         packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
         or -(-x.shape[-1] // per_step) != packed.shape[1]
         or (scales is None) != (expected_scales is None) or (mins is None) != (dtype != jnp.uint8)
-        or (scales is not None and (scales.ndim not in expected_scales or -(-scales_n // PANEL) != packed.shape[0]))
+        or (scales is not None and (scales.ndim not in expected_scales or scales.ndim == 3 and scales.shape[2] != PANEL
+                                    or -(-scales_width(scales) // PANEL) != packed.shape[0]))
         or (mins is not None and mins.shape != scales.shape)
     ):
         raise ValueError(
@@ -140,7 +142,7 @@ def packed_matmul_cpu(
         )
     if dtype == jnp.int8 and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])
-    n = packed.shape[0] * PANEL if scales is None else scales_n
+    n = packed.shape[0] * PANEL if scales is None else scales_width(scales)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
     operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)
     return jax.ffi.ffi_call(target(TARGETS[dtype]), out)(x.astype(jnp.float32), packed, *operands)

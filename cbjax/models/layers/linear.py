@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
 from kernels_cpu import group_rows_packable, pack_group_rows, pack_weight, packable, packed_matmul_cpu
-from kernels_cpu import packed_matmul_reference
+from kernels_cpu import packed_matmul_reference, scales_width
 from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
@@ -104,8 +104,7 @@ def float_equivalent_bytes(params: dict[str, Array], dtype: jnp.dtype) -> int:
             total += array.nbytes
             continue
         k = array.shape[-2] if array.ndim == 3 else array.shape[0]  # panels [P, K(/2), 32] or [K(/2), N]
-        scales = params[f"{prefix}.scales"]
-        n = scales.shape[0] * scales.shape[2] if scales.ndim == 3 else scales.shape[-1]  # packed: [N / 32, K / G, 32]
+        n = scales_width(params[f"{prefix}.scales"])
         total += k * (2 if array.dtype == jnp.uint8 else 1) * n * jnp.dtype(dtype).itemsize
     return total
 
