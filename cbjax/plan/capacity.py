@@ -21,6 +21,7 @@ tokens is expected to touch under uniform routing: num_experts x (1 - (1 - top_k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -226,13 +227,12 @@ def plan_capacity(
 
         def weights_at(n: int, experts_only: bool = False) -> int:
             return weight_bytes_per_device(model, config, n, experts_only, expert_parallel)
-    else:  # under tensor parallelism the embedding and head are dequantized (gguf_params.read_gguf_params)
-        check_whole_groups(gguf_stored_shapes(gguf, config, weight_dtype, tensor_parallel_size > 1), config,
-                           tensor_parallel_size)
+    else:  # the file's tensor list read once per form: under tensor parallelism the embedding and head dequantized
+        stored = functools.cache(lambda parallel: gguf_stored_shapes(gguf, config, weight_dtype, parallel))
+        check_whole_groups(stored(tensor_parallel_size > 1), config, tensor_parallel_size)
 
         def weights_at(n: int, experts_only: bool = False) -> int:
-            stored = gguf_stored_shapes(gguf, config, weight_dtype, tensor_parallel=n > 1)
-            return stored_bytes_per_device(stored, config, n, experts_only, expert_parallel)
+            return stored_bytes_per_device(stored(n > 1), config, n, experts_only, expert_parallel)
     weights = weights_at(tensor_parallel_size)
     expert_bytes = weights_at(tensor_parallel_size, experts_only=True)
     usable = int(device.memory_bytes * gpu_memory_utilization)
