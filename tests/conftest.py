@@ -44,10 +44,13 @@ def _xla_accepts(flag: str) -> bool:
 # XLA:CPU's MLIR fusion emitters spend about half of a tiny engine's compile time; its older elemental
 # emitters compile the same fusions in half that (the tiny llama engine of tests/engine/test_engine.py builds
 # in 2.2 s instead of 4.3 s, with the same tokens). The engine itself keeps XLA's default. Probed once, in
-# pytest's first process: a later jaxlib may have dropped the flag.
+# pytest's first process, whose workers inherit the answer: a later jaxlib may have dropped the flag.
 _FAST_FUSIONS = "--xla_cpu_use_fusion_emitters=false"
-if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_accepts(_FAST_FUSIONS):
-    os.environ["XLA_FLAGS"] += f" {_FAST_FUSIONS}"
+_PROBED = "CBJAX_TESTS_FUSION_FLAG_PROBED"
+if _PROBED not in os.environ and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ[_PROBED] = "1"
+    if _xla_accepts(_FAST_FUSIONS):
+        os.environ["XLA_FLAGS"] += f" {_FAST_FUSIONS}"
 
 
 def has_gpu() -> bool:
