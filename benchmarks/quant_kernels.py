@@ -7,10 +7,11 @@ SmolLM2-135M's 30 layers of projections (benchmarks/decode_dots_bandwidth.py's `
 o, gate/up, down, weights [in, out]) through `packed_matmul_cpu` with the weights packed as the engine
 packs them: float32 panels; int8 panels with one scale per column (quantization="int8") or per group of
 32 inputs (GGUF's Q8_0); 4-bit nibble panels with scales and mins per group of 32 (quantization="int4-g32",
-GGUF's Q4_0/Q4_1), packed by panel as the engine packs them where N is whole panels ("int4-g32-rows": left as
-rows [K / G, N], as the kernel also takes them). The weights are random (the kernels' speed does not depend on the values). At each of
---rows the kernels are timed alternately, --rounds times (median of --calls each), in one process, so that
-load from other processes falls on all alike; `over_float32` is float32's median ms over the kernel's.
+GGUF's Q4_0/Q4_1), their scales and mins packed by panel as the engine packs them where N is whole panels
+("int4-g32-rows": left as rows [K / G, N], as the kernel also takes them). The weights are random (the
+kernels' speed does not depend on the values). At each of --rows the kernels are timed alternately, --rounds
+times (median of --calls each), in one process, so that load from other processes falls on all alike;
+`over_float32` is float32's median ms over the kernel's.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def random_weight(rng: np.random.Generator, kernel: str, k: int, n: int) -> tupl
         scales = rng.uniform(1e-4, 2e-4, (k // GROUP, n) if kernel == "int8-g32" else (n,)).astype(np.float32)
         return pack_weight(rng.integers(-127, 128, (k, n), dtype=np.int8)), scales
     scales = rng.uniform(1e-3, 2e-3, (k // GROUP, n)).astype(np.float32)
-    scales, mins = (scales, -8 * scales) if kernel == "int4-g32-rows" else (pack_group_rows(a) for a in (scales, -8 * scales))
+    scales, mins = scales, -8 * scales
+    if kernel != "int4-g32-rows":
+        scales, mins = pack_group_rows(scales), pack_group_rows(mins)
     return pack_weight(pack_nibbles(rng.integers(0, 16, (k, n), dtype=np.uint8))), scales, mins
 
 
