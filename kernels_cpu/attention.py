@@ -10,8 +10,8 @@ from jaxtyping import Array, Float
 from kernels_cpu.registry import POOL_SUFFIXES, target
 from kernels_pallas.reference import AttentionMetadata
 
-# The kernel reads and writes pool elements as they are (fp8 ones widened or saturated); a pool's scales are
-# applied here: q * k_scale . k = q . (k * k_scale), and P . (v * v_scale) = (P . v) * v_scale.
+# A pool's scales go to the kernel as attributes, which applies them: the write divides by them, k_scale joins
+# sm_scale (q * k_scale . k = q . (k * k_scale)) and v_scale the output (P . (v * v_scale) = (P . v) * v_scale).
 
 
 def _target_suffix(k_pages: Array, v_pages: Array) -> str:
@@ -27,6 +27,11 @@ def _target_suffix(k_pages: Array, v_pages: Array) -> str:
 def _request_metadata(metadata: AttentionMetadata) -> tuple[Array, Array, Array]:
     """The kernel's last three inputs: query_start_loc, seq_lens, block_tables (int32)."""
     return tuple(x.astype(jnp.int32) for x in (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables))
+
+
+def scale_attributes(sm_scale: float, k_scale: float, v_scale: float) -> dict[str, np.float32]:
+    """The kernel's float attributes: the softmax scale and the pools' scales (1.0 for float pools)."""
+    return {"sm_scale": np.float32(sm_scale), "k_scale": np.float32(k_scale), "v_scale": np.float32(v_scale)}
 
 
 def _window_attribute(sliding_window: int | None) -> np.int32:
@@ -66,16 +71,16 @@ def write_kv_and_attend_cpu(
     )
     out, k_pages, v_pages = call(
         q.astype(jnp.float32),
-        k.astype(jnp.float32) / k_scale,
-        v.astype(jnp.float32) / v_scale,
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
         metadata.slot_mapping.astype(jnp.int32),
         k_pages,
         v_pages,
         *_request_metadata(metadata),
-        sm_scale=np.float32(sm_scale * k_scale),
+        **scale_attributes(sm_scale, k_scale, v_scale),
         sliding_window=_window_attribute(sliding_window),
     )
-    return (out * v_scale).astype(q.dtype), k_pages, v_pages
+    return out.astype(q.dtype), k_pages, v_pages
 
 
 def ragged_paged_attention_cpu(
@@ -94,7 +99,7 @@ def ragged_paged_attention_cpu(
     suffix = _target_suffix(k_pages, v_pages)
     call = jax.ffi.ffi_call(target("CbjaxPagedAttention" + suffix), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
-        q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata), sm_scale=np.float32(sm_scale * k_scale),
-        sliding_window=_window_attribute(sliding_window),
+        q.astype(jnp.float32), k_pages, v_pages, *_request_metadata(metadata),
+        **scale_attributes(sm_scale, k_scale, v_scale), sliding_window=_window_attribute(sliding_window),
     )
-    return (out * v_scale).astype(q.dtype)
+    return out.astype(q.dtype)

@@ -16,8 +16,10 @@
 // fixed-shape jnp path this loop visits only real tokens and real keys, so padding rows and unused
 // pages (NaN in the tests) are never read.
 //
-// An f8e4m3fn pool holds K/V divided by their scales; the caller (attention.py) divides the new K/V
-// and folds the scales into sm_scale and the output, so here e4m3 is only widened and saturated.
+// An f8e4m3fn pool holds K/V divided by their scales (the `k_scale` and `v_scale` attributes, 1 for
+// other pools): the write divides the new K/V before it saturates and rounds them, k_scale joins
+// sm_scale and v_scale the output's normalisation. Inside the call, not in XLA around it: XLA:CPU
+// compiled each layer's scaling as fusions of their own, which took start-up 26 -> 42-62 s for SmolLM2.
 //
 // The same call first writes the step's new K/V into the pool (in place: the pools are aliased
 // from input to output), which saves XLA two scatters per layer.
@@ -638,7 +640,7 @@ inline void collect_lines(const T* k_head, const T* v_head, const int32_t* table
 template <typename Tag>
 void run_item(const Item& item, const Shapes& s, const float* q, const typename Pool<Tag>::T* k_pages,
               const typename Pool<Tag>::T* v_pages, const int32_t* query_start, const int32_t* seq_lens,
-              const int32_t* block_tables, float sm_scale, int32_t window, float* out) {
+              const int32_t* block_tables, float sm_scale, float v_scale, int32_t window, float* out) {
   const int group = (int)(s.q_heads / s.kv_heads), dim = (int)s.dim, bs = (int)s.block_size;
   const int rows = item.num_tokens * group;  // row = token * group + head within the group
   const int32_t q_len = query_start[item.req + 1] - query_start[item.req];
@@ -747,26 +749,33 @@ void run_item(const Item& item, const Shapes& s, const float* q, const typename 
   for (int t = 0; t < item.num_tokens; ++t)
     for (int g = 0; g < group; ++g) {
       const int r = t * group + g;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
       float* dst = out + ((int64_t)(item.first_token + t) * s.q_heads + item.kv_head * group + g) * dim;
       for (int d = 0; d < dim; ++d) dst[d] = acc[wide ? d * padded + r : r * dim + d] * inv;
     }
 }
 
 // Scatter the step's new K/V rows (f32 [new_tokens, kv_heads, dim]) into their pool slots, converted to
-// the pool's type like XLA's convert (round to nearest even). Slots outside the pool are skipped.
+// the pool's type like XLA's convert (round to nearest even), divided by the pool's scales first (as
+// kernels_pallas' to_pool divides). Slots outside the pool are skipped.
 template <typename Tag>
 void write_new_kv(const Shapes& s, const float* k_new, const float* v_new, const int32_t* slots, int64_t new_tokens,
-                  typename Pool<Tag>::T* k_pages, typename Pool<Tag>::T* v_pages) {
+                  float k_scale, float v_scale, typename Pool<Tag>::T* k_pages, typename Pool<Tag>::T* v_pages) {
   const int64_t page_stride = s.block_size * s.dim, head_stride = s.blocks * page_stride;
+  std::vector<float> scaled(k_scale != 1.0f || v_scale != 1.0f ? s.dim : 0);
+  auto divided = [&](const float* x, float scale) {
+    if (scale == 1.0f) return x;
+    for (int64_t d = 0; d < s.dim; ++d) scaled[d] = x[d] / scale;
+    return (const float*)scaled.data();
+  };
   for (int64_t t = 0; t < new_tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= s.blocks * s.block_size) continue;
     const int64_t base = (slot / s.block_size) * page_stride + (slot % s.block_size) * s.dim;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       const int64_t src = (t * s.kv_heads + h) * s.dim;
-      Pool<Tag>::store(k_new + src, k_pages + h * head_stride + base, (int)s.dim);
-      Pool<Tag>::store(v_new + src, v_pages + h * head_stride + base, (int)s.dim);
+      Pool<Tag>::store(divided(k_new + src, k_scale), k_pages + h * head_stride + base, (int)s.dim);
+      Pool<Tag>::store(divided(v_new + src, v_scale), v_pages + h * head_stride + base, (int)s.dim);
     }
   }
 }
@@ -776,7 +785,7 @@ void write_new_kv(const Shapes& s, const float* k_new, const float* v_new, const
 template <typename Tag>
 void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typename Pool<Tag>::T* kp,
             const typename Pool<Tag>::T* vp, const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables,
-            float sm_scale, int32_t window, float* out) {
+            float sm_scale, float v_scale, int32_t window, float* out) {
   std::fill(out, out + s.tokens * s.q_heads * s.dim, 0.0f);
   std::vector<Item> items;
   for (int32_t r = 0; r < s.reqs; ++r) {
@@ -787,7 +796,7 @@ void attend(ffi::ThreadPool& pool, const Shapes& s, const float* q, const typena
   }
   const int64_t n = (int64_t)items.size();
   cbjax_kernels::share_out(pool, n, [=, items = std::move(items)](int64_t i) {
-    run_item<Tag>(items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, window, out);
+    run_item<Tag>(items[i], s, q, kp, vp, qsl, seq_lens, block_tables, sm_scale, v_scale, window, out);
   });
 }
 
@@ -807,7 +816,7 @@ template <typename Tag>
 ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                          int32_t window) {
+                          float k_scale, float v_scale, int32_t window) {
   using T = typename Pool<Tag>::T;
   auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
@@ -817,7 +826,7 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return error;
   attend<Tag>(pool, s, q.typed_data(), reinterpret_cast<const T*>(k_pages.untyped_data()),
               reinterpret_cast<const T*>(v_pages.untyped_data()), query_start.typed_data(), seq_lens.typed_data(),
-              block_tables.typed_data(), sm_scale, window, out->typed_data());
+              block_tables.typed_data(), sm_scale * k_scale, v_scale, window, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -828,7 +837,8 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::AnyBuffer k_pages_in, ffi::AnyBuffer v_pages_in, ffi::Buffer<ffi::S32> query_start,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_pages,
-                                ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale, int32_t window) {
+                                ffi::Result<ffi::AnyBuffer> v_pages, float sm_scale, float k_scale, float v_scale,
+                                int32_t window) {
   using T = typename Pool<Tag>::T;
   auto qd = q.dimensions(), kd = k_pages->dimensions(), nd = k_new.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || nd.size() != 3 || block_tables.dimensions().size() != 2)
@@ -844,9 +854,10 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   // Aliased buffers are one; if XLA gave fresh outputs, start them from the inputs.
   if (kp != k_pages_in.untyped_data()) std::memcpy(kp, k_pages_in.untyped_data(), k_pages_in.size_bytes());
   if (vp != v_pages_in.untyped_data()) std::memcpy(vp, v_pages_in.untyped_data(), v_pages_in.size_bytes());
-  write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], kp, vp);
+  write_new_kv<Tag>(s, k_new.typed_data(), v_new.typed_data(), slot_mapping.typed_data(), nd[0], k_scale, v_scale, kp,
+                    vp);
   attend<Tag>(pool, s, q.typed_data(), kp, vp, query_start.typed_data(), seq_lens.typed_data(),
-              block_tables.typed_data(), sm_scale, window, out->typed_data());
+              block_tables.typed_data(), sm_scale * k_scale, v_scale, window, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -864,7 +875,8 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 #define CBJAX_ATTENTION_BIND \
   ffi::Ffi::Bind()           \
       .Ctx<ffi::ThreadPool>()  \
-      .Arg<ffi::Buffer<ffi::F32>>() CBJAX_POOLS_METADATA_OUT.Attr<float>("sm_scale").Attr<int32_t>("sliding_window")
+      .Arg<ffi::Buffer<ffi::F32>>() CBJAX_POOLS_METADATA_OUT.Attr<float>("sm_scale").Attr<float>("k_scale") \
+          .Attr<float>("v_scale").Attr<int32_t>("sliding_window")
 
 // q, k_new, v_new, slots, then the common part, then the pools out (aliased to the pools in).
 #define CBJAX_WRITE_ATTENTION_BIND                                                          \
@@ -877,6 +889,8 @@ ffi::Error write_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
       .Ret<ffi::AnyBuffer>()                                                                \
       .Ret<ffi::AnyBuffer>()                                                                \
       .Attr<float>("sm_scale")                                                              \
+      .Attr<float>("k_scale")                                                               \
+      .Attr<float>("v_scale")                                                               \
       .Attr<int32_t>("sliding_window")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPagedAttentionF32, attention_impl<float>, CBJAX_ATTENTION_BIND);

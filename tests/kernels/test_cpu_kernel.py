@@ -24,6 +24,7 @@ from test_kernels import MAX_BLOCKS, SM_SCALE, Case, decode_lengths, fill_pool, 
 import cbjax.models.layers.attention as backend
 from kernels_cpu import build as kernel_build
 from kernels_cpu import kernel_problem, ragged_paged_attention_cpu, write_kv_and_attend_cpu
+from kernels_cpu.attention import scale_attributes
 from kernels_cpu.registry import POOL_SUFFIXES
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv
 
@@ -100,11 +101,12 @@ def assert_build_attends_like_reference(library: ctypes.CDLL, tag: str) -> None:
                                     jax.ffi.pycapsule(getattr(library, f"CbjaxPagedAttention{suffix}")), platform="cpu")
 
     def attention(q, k_pages, v_pages, metadata, sm_scale, sliding_window, k_scale, v_scale):
-        assert (k_scale, v_scale, sliding_window) == (1.0, 1.0, None)
+        assert sliding_window is None
         call = jax.ffi.ffi_call(f"CbjaxPagedAttention{POOL_SUFFIXES[k_pages.dtype]}_test_{tag}",
                                 jax.ShapeDtypeStruct(q.shape, jnp.float32))
         request_metadata = (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
-        return call(q, k_pages, v_pages, *request_metadata, sm_scale=np.float32(sm_scale), sliding_window=np.int32(0))
+        return call(q, k_pages, v_pages, *request_metadata, **scale_attributes(sm_scale, k_scale, v_scale),
+                    sliding_window=np.int32(0))
 
     for case in (Case(8, 64, 2, "float32", num_kv_heads=4), Case(16, 64, 7, "bfloat16", num_kv_heads=1),
                  Case(4, 128, 3, "float16")):
