@@ -171,37 +171,44 @@ def attention(
     sm_scale: float,
     plan: AttentionPlan,
     sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Float[Array, "tokens q_heads dim"]:
-    """Paged attention of one step's tokens, run as `plan` says; `sliding_window` is the layer's (static)."""
+    """Paged attention of one step's tokens, run as `plan` says; `sliding_window` and `kv_scales` (an fp8 pool's
+    (k_scale, v_scale): kernels_pallas/reference.py) are the layer's, static."""
     backend, decode_only, max_num_prefills = plan.backend, plan.decode_only, plan.max_num_prefills
+    k_scale, v_scale = kv_scales
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}; resolve it with resolve_backend")
     if backend == "cpp":
-        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale, sliding_window)
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, metadata, sm_scale, sliding_window, k_scale=k_scale,
+                                          v_scale=v_scale)
     if backend == "xla":
         if decode_only:
             return paged_decode_attention_reference(
-                q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, sliding_window=sliding_window
+                q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, sliding_window=sliding_window,
+                k_scale=k_scale, v_scale=v_scale,
             )
         # Query tiles share each gathered page: a 512-token prefill's attention ran
         # 120 -> 11 ms per layer on XLA:CPU against one query per tile, a mixed batch 70 -> 22 ms.
         if max_num_prefills is not None:
             return mixed_paged_attention_reference(
                 q, k_pages, v_pages, metadata, sm_scale, block_q=XLA_MIXED_BLOCK_Q, max_prefill_reqs=max_num_prefills,
-                sliding_window=sliding_window,
+                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
             )
         block_q = xla_mixed_block_q(q.shape[0], metadata.seq_lens.shape[0])
         return ragged_paged_attention_reference(
-            q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, sliding_window=sliding_window
+            q, k_pages, v_pages, metadata, sm_scale, block_q=block_q, sliding_window=sliding_window, k_scale=k_scale,
+            v_scale=v_scale,
         )
     interpret = backend == "pallas_interpret"
     if decode_only:
         return paged_decode_attention(
             q, k_pages, v_pages, metadata.seq_lens, metadata.block_tables, sm_scale, interpret=interpret,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
         )
     return ragged_paged_attention(
-        q, k_pages, v_pages, metadata, sm_scale, interpret=interpret, sliding_window=sliding_window
+        q, k_pages, v_pages, metadata, sm_scale, interpret=interpret, sliding_window=sliding_window, k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -214,11 +221,13 @@ def write_kv_and_attend(
     sm_scale: float,
     plan: AttentionPlan,
     sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[Float[Array, "tokens q_heads dim"], tuple[Array, Array]]:
     """One layer's KV write and attention: the step's new K/V go into the pool, then every token attends.
 
     The C++ CPU kernel does both in one call (two XLA:CPU scatters per layer cost about 2 ms of
     a 26 ms SmolLM2 decode step); every other backend is `write_kv` then `attention`.
+    `kv_scales`: the layer's (k_scale, v_scale) of an fp8 pool, static (1.0: float pools, or fp8 uncalibrated).
     """
     if plan.mesh is not None:
         # Tensor parallel: each device runs this on its own heads and pool shard (no kernel is
@@ -228,7 +237,7 @@ def write_kv_and_attend(
         per_shard = jax.shard_map(
             functools.partial(
                 write_kv_and_attend, sm_scale=sm_scale, plan=dataclasses.replace(plan, mesh=None),
-                sliding_window=sliding_window,
+                sliding_window=sliding_window, kv_scales=kv_scales,
             ),
             mesh=plan.mesh,
             in_specs=(heads, heads, heads, (pool, pool), P()),
@@ -237,8 +246,9 @@ def write_kv_and_attend(
         )
         return per_shard(q, k, v, kv_cache, metadata)
     if plan.backend == "cpp":
-        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale, sliding_window)
+        out, k_pages, v_pages = write_kv_and_attend_cpu(q, k, v, *kv_cache, metadata, sm_scale, sliding_window,
+                                                        k_scale=kv_scales[0], v_scale=kv_scales[1])
         return out, (k_pages, v_pages)
-    k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping)
-    return attention(q, k_pages, v_pages, metadata, sm_scale, plan, sliding_window), (k_pages, v_pages)
+    k_pages, v_pages = write_kv(*kv_cache, k, v, metadata.slot_mapping, k_scale=kv_scales[0], v_scale=kv_scales[1])
+    return attention(q, k_pages, v_pages, metadata, sm_scale, plan, sliding_window, kv_scales), (k_pages, v_pages)
 
