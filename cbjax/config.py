@@ -24,8 +24,14 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
     # The KV pool's dtype: "auto" (the activation dtype), "float32", "bfloat16", "float16" (halves float32's bytes), or
-    # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages at scale 1.0, half float16's bytes (docs/caching.md, "fp8 KV cache").
+    # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages, half float16's bytes, at scale 1.0 unless calculate_kv_scales
+    # (docs/caching.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
+    # With an fp8 kv_cache_dtype (vLLM's option): each layer's k_scale and v_scale computed at start-up from a
+    # calibration step, max |K| / 200 and max |V| / 100 (worker/kv_scales.py), instead of 1.0: for models whose
+    # K or V reach past e4m3's 448 (large K biases, outlier channels), which 1.0 would clip, or stay so small
+    # that e4m3's subnormals round them.
+    calculate_kv_scales: bool = False
     # Weight-only quantization at load (vLLM's keyword): "int8" (symmetric, per output channel) or "int4"
     # (groups of 128 inputs per output channel, symmetric or asymmetric per group; "int4-g64"/"int4-g32" for
     # widths 128 does not divide) for every decoder projection;
@@ -124,6 +130,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+        if self.calculate_kv_scales and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            raise ValueError(f"calculate_kv_scales=True computes the scales of an fp8 KV cache, but kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r}; set kv_cache_dtype='fp8' or drop calculate_kv_scales")
         check_scheduling_policy(self.scheduling_policy)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.of(self.speculative_config)

@@ -21,13 +21,15 @@ from cbjax.checkpoint.resolve import resolve_model
 from cbjax.config import EngineConfig
 from cbjax.core.kv.sizing import plan_num_blocks
 from cbjax.models.config import ModelConfig
-from cbjax.models.layers.attention import resolve_backend
+from cbjax.models.layers.attention import AttentionPlan, resolve_backend
 from cbjax.models.layers.linear import float_equivalent_bytes
 from cbjax.models.layers.lora import attach_lora
 from cbjax.models.registry import kv_cache_bytes_per_block
+from cbjax.tokenizer.tokenizer import Tokenizer
 from cbjax.worker.compilation.compile_cache import enable_compile_cache
 from cbjax.worker.distributed import multihost
 from cbjax.worker.distributed.sharding import TensorParallel
+from cbjax.worker.kv_scales import calibrate_kv_scales
 from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
 from cbjax.worker.spec.draft_model import DraftModelProposer
 from cbjax.worker.spec.drafter import Drafter
@@ -110,12 +112,10 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     if config.max_logprobs > mc.vocab_size:  # a step's top-k cannot return more than the vocabulary
         logger.info("max_logprobs=%d is more than the vocabulary: %d", config.max_logprobs, mc.vocab_size)
         config.max_logprobs = mc.vocab_size
-    if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
-        if tensor_parallel is not None and tensor_parallel.kv_repeats > 1:
-            raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size} above the model's "
-                             f"{mc.num_key_value_heads // tensor_parallel.kv_repeats} KV heads is not supported (the k/v "
-                             "adapters would need their heads repeated too); use a tensor_parallel_size up to the KV heads")
-        attach_lora(model, mc, config.max_loras, config.max_lora_rank)
+    if config.enable_lora and tensor_parallel is not None and tensor_parallel.kv_repeats > 1:
+        raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size} above the model's "
+                         f"{mc.num_key_value_heads // tensor_parallel.kv_repeats} KV heads is not supported (the k/v "
+                         "adapters would need their heads repeated too); use a tensor_parallel_size up to the KV heads")
     backend = resolve_backend(
         config.attention_backend,
         num_q_heads=mc.num_attention_heads // config.tensor_parallel_size,  # one device's heads
@@ -124,6 +124,12 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         block_size=config.block_size,
         wait_for_kernel=kernel_build is None,
     )
+    if config.calculate_kv_scales:  # before the LoRA slots: the calibration step runs the base model alone
+        mesh = None if tensor_parallel is None else tensor_parallel.mesh
+        calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), config.block_size,
+                            AttentionPlan(backend, mesh=mesh, expert_parallel=config.enable_expert_parallel))
+    if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
+        attach_lora(model, mc, config.max_loras, config.max_lora_rank)
     # A draft model (speculative_config method "draft_model") is loaded before the pool is sized, so the
     # device memory in use counts its weights and its own small pool.
     drafter = make_drafter(config, mc.vocab_size, dtype=dtype, activation_dtype=activation_dtype)

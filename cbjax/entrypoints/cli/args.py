@@ -33,6 +33,9 @@ def add_engine_args(
         parser.add_argument("--model", required=model_required, help="converted checkpoint directory (cbjax convert)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="with --kv-cache-dtype fp8: each layer's K and V scales from a calibration step at "
+                             "start-up (max |K| / 200, max |V| / 100), not 1.0")
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                         help="weight-only quantization of the decoder projections at load (default: none)")
     parser.add_argument("--quantize-lm-head", action="store_true",
@@ -114,7 +117,7 @@ def add_engine_args(
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = (
-        "dtype kv_cache_dtype quantization quantize_lm_head max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
+        "dtype kv_cache_dtype calculate_kv_scales quantization quantize_lm_head max_num_seqs max_model_len max_num_batched_tokens max_num_prefills scheduling_policy "
         "block_size num_kv_blocks "
         "kv_cache_memory_bytes "
         "gpu_memory_utilization enable_chunked_prefill attention_backend seed compilation_cache_dir tensor_parallel_size "

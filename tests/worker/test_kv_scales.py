@@ -1,0 +1,123 @@
+"""calculate_kv_scales: each layer's fp8 scales from a calibration step at start-up (worker/kv_scales.py).
+
+The reference is transformers' own KV cache (post-RoPE K and V per layer) of the same prompts. The
+engine test uses a tiny model rewritten to compute the same function with K and V 1000x larger
+(k_proj and v_proj times 1000, q_proj and o_proj divided by 1000): its K and V pass e4m3's 448, so at
+scale 1.0 an fp8 pool saturates them, and calibrated scales must bring it back to the float pool's answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import ENGINE_OPTIONS
+from helpers_hf import load_hf_model
+from safetensors.numpy import load_file, save_file
+from tiny_checkpoint import make_tiny_checkpoint
+
+from cbjax import LLM, SamplingParams
+from cbjax.checkpoint.convert import convert_checkpoint
+from cbjax.checkpoint.loader import load_model
+from cbjax.config import EngineConfig
+from cbjax.models.layers.attention import AttentionPlan
+from cbjax.tokenizer.tokenizer import Tokenizer
+from cbjax.worker.kv_scales import (K_SCALE_CONSTANT, V_SCALE_CONSTANT, calibrate_kv_scales, calibration_prompts,
+                                    kv_amax, prompt_step, scales_from_amax)
+
+GAIN = 1000.0  # K and V this many times the random model's (about 1-4): far past e4m3's 448
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(hf_dir, checkpoint, loud checkpoint): a tiny llama as drawn (checkpoint), and the same function computed
+    with K and V GAIN x larger (hf_dir, the loud checkpoint)."""
+    root = tmp_path_factory.mktemp("loud-kv")
+    hf_dir, checkpoint = make_tiny_checkpoint(root, "llama")
+    weights = load_file(hf_dir / "model.safetensors")
+    gains = {"k_proj": GAIN, "v_proj": GAIN, "q_proj": 1 / GAIN, "o_proj": 1 / GAIN}
+    for name in weights:
+        gain = next((g for projection, g in gains.items() if f".{projection}." in name), 1.0)
+        weights[name] = (weights[name] * np.float32(gain)).astype(weights[name].dtype)
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    load_hf_model.cache_clear()
+    return hf_dir, checkpoint, convert_checkpoint(hf_dir, root / "ckpt-loud", None)
+
+
+def transformers_amax(hf_dir: Path, prompts: list[list[int]]) -> np.ndarray:
+    """[layers, 2]: the largest |K| and |V| in transformers' KV cache over the prompts, each run alone."""
+    model = load_hf_model(hf_dir)
+    amax = np.zeros((model.config.num_hidden_layers, 2))
+    with torch.no_grad():
+        for prompt in prompts:
+            cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+            for index, layer in enumerate(cache.layers):
+                amax[index] = np.maximum(amax[index], [float(layer.keys.abs().max()), float(layer.values.abs().max())])
+    return amax
+
+
+def test_prompt_step_puts_each_prompt_in_its_own_blocks_after_the_null_block():
+    token_ids, positions, metadata, num_blocks = prompt_step([[7, 8, 9], [1, 2, 3, 4, 5]], block_size=4)
+    assert token_ids.tolist() == [7, 8, 9, 1, 2, 3, 4, 5]
+    assert positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    # Prompt 0 in block 1 (slots 4-6), prompt 1 in blocks 2 and 3 (slots 8-11, then 12).
+    assert metadata.slot_mapping.tolist() == [4, 5, 6, 8, 9, 10, 11, 12]
+    assert metadata.query_start_loc.tolist() == [0, 3, 8]
+    assert metadata.seq_lens.tolist() == [3, 5]
+    assert metadata.block_tables.tolist() == [[1, 0], [2, 3]]
+    assert num_blocks == 4
+
+
+def test_scales_are_vllms_amax_over_200_and_100():
+    scales = scales_from_amax(np.array([[20.0, 10.0], [0.0, 3.0]]))
+    assert scales == [(0.1, 0.1), (1.0, 0.03)]  # an all-zero K keeps 1.0 rather than divide by 0
+    with pytest.raises(ValueError, match=r"not finite in layers \[1\]"):
+        scales_from_amax(np.array([[1.0, 1.0], [np.nan, 1.0]]))
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpp"])
+def test_calibration_amax_is_transformers_kv_caches(tiny, backend):
+    hf_dir, _, checkpoint = tiny
+    prompts = calibration_prompts(Tokenizer.from_dir(checkpoint))
+    assert len(prompts) == 6  # five texts and one chat turn (the tiny tokenizer has a template)
+    model, _ = load_model(checkpoint, dtype="float32")
+    expected = transformers_amax(hf_dir, prompts)
+    assert expected.min() > 448  # the premise: at scale 1.0 these would saturate
+    np.testing.assert_allclose(kv_amax(model, prompts, 8, AttentionPlan(backend)), expected, rtol=1e-5)
+    scales = calibrate_kv_scales(model, Tokenizer.from_dir(checkpoint), 8, AttentionPlan(backend))
+    np.testing.assert_allclose(scales, expected / [K_SCALE_CONSTANT, V_SCALE_CONSTANT], rtol=1e-5)
+    assert [layer.self_attn.kv_scales for layer in model.model.layers] == scales
+
+
+def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> np.ndarray:
+    """Each prompt token's logprob given the tokens before it, all prompts back to back."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    return np.array([next(iter(lp.values())).logprob for out in outs for lp in out.prompt_logprobs[1:]])
+
+
+def test_calibrated_fp8_pool_gives_the_float_pools_logprobs_where_scale_1_saturates(tiny):
+    _, quiet, loud = tiny
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (5, 17, 40)]
+    engine = lambda checkpoint, **options: LLM(str(checkpoint), **(ENGINE_OPTIONS | options))  # noqa: E731
+    reference = prompt_logprobs(engine(quiet, kv_cache_dtype="float32"), prompts)
+    np.testing.assert_allclose(prompt_logprobs(engine(loud, kv_cache_dtype="float32"), prompts), reference, atol=1e-3)
+    errors = {
+        # e4m3's own rounding, where scale 1.0 suits the model: the bar for the calibrated loud one
+        "quiet fp8": prompt_logprobs(engine(quiet, kv_cache_dtype="fp8"), prompts) - reference,
+        "loud fp8, calibrated": prompt_logprobs(engine(loud, kv_cache_dtype="fp8", calculate_kv_scales=True), prompts)
+        - reference,
+        "loud fp8, scale 1.0": prompt_logprobs(engine(loud, kv_cache_dtype="fp8"), prompts) - reference,
+    }
+    mean = {name: float(np.abs(error).mean()) for name, error in errors.items()}
+    print("mean |logprob error|:", {name: f"{value:.3g}" for name, value in mean.items()})
+    assert mean["loud fp8, calibrated"] < 2 * mean["quiet fp8"]
+    assert mean["loud fp8, scale 1.0"] > 10 * mean["loud fp8, calibrated"]
+
+
+def test_calculate_kv_scales_needs_an_fp8_pool():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float16'; set kv_cache_dtype='fp8'"):
+        EngineConfig(model="m", kv_cache_dtype="float16", calculate_kv_scales=True)
