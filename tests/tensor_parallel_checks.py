@@ -191,10 +191,11 @@ def abstract_lowering(config: ModelConfig, tp: int, expert_parallel: bool = Fals
 
 
 def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: str | None = None,
-              pool_dtype=jnp.float32) -> dict:
+              pool_dtype=jnp.float32, calculate_kv_scales: bool = False) -> dict:
     """A model's float32 logits at every position of one prompt (prefilled in one mixed step from a NaN
     pool of `pool_dtype`) with its weights split over `tp` devices (a MoE model's experts placed whole on
-    them with expert_parallel; quantized as `quantization` says), and every weight's shape, dtype and shard shapes.
+    them with expert_parallel; quantized as `quantization` says), and every weight's shape, dtype and shard shapes;
+    with calculate_kv_scales, the pool's per-layer scales from a calibration step over prompts() (worker/kv_scales.py).
     A forward pass instead of an engine run (whose bucket compiles cost ~20 s a model at TP=4): the
     engine's TP path is llama's and mixtral's serve() runs."""
     from cbjax.checkpoint.loader import load_model
@@ -203,9 +204,15 @@ def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: 
     from kernels_pallas import AttentionMetadata
 
     tensor_parallel = TensorParallel.create(ModelConfig.from_dir(ckpt), tp, expert_parallel=expert_parallel) if tp > 1 else None
+    from cbjax.worker.kv_scales import kv_amax, scales_from_amax, set_kv_scales
+
     model, config = load_model(ckpt, tensor_parallel=tensor_parallel, quantization=quantization)
-    graphdef, state = nnx.split(model)
     block_size, prompt = 8, prompts()[1]  # 45 tokens in blocks 1..6
+    plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh, expert_parallel=expert_parallel)
+    kv_scales = scales_from_amax(kv_amax(model, prompts(), block_size, plan)) if calculate_kv_scales else None
+    if kv_scales is not None:
+        set_kv_scales(model, kv_scales)
+    graphdef, state = nnx.split(model)
     n = len(prompt)
     pool = tuple(jnp.full_like(pages, jnp.nan) for pages in init_kv_pool(config, 8, block_size, pool_dtype))
     if tensor_parallel is not None:
@@ -213,13 +220,12 @@ def tp_logits(ckpt: Path, tp: int, expert_parallel: bool = False, quantization: 
     metadata = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
                                  query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
                                  block_tables=jnp.arange(1, 8, dtype=jnp.int32)[None])
-    plan = AttentionPlan("xla", mesh=None if tensor_parallel is None else tensor_parallel.mesh, expert_parallel=expert_parallel)
     step = jax.jit(lambda state, pool: nnx.merge(graphdef, state)(
         jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), pool, metadata, jnp.arange(n), plan)[0])
     weights = {param_name(path): {"shape": list(variable.shape), "dtype": str(variable.dtype),
                                   "shard_shapes": sorted({tuple(s.data.shape) for s in variable.get_value().addressable_shards})}
                for path, variable in nnx.to_flat_state(state)}
-    return {"logits": np.asarray(step(state, pool)).tolist(), "weights": weights}
+    return {"logits": np.asarray(step(state, pool)).tolist(), "weights": weights, "kv_scales": kv_scales}
 
 
 def sharded_sampling() -> dict:
@@ -325,6 +331,8 @@ def main() -> None:
         "int4_logits": {tp: tp_logits(llama[1], tp, quantization="int4-g32") for tp in (1, 2)},
         "gguf_logits": {tp: tp_logits(gguf, tp) for tp in (1, 2)},
         "fp8_kv_logits": {tp: tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn)["logits"] for tp in (1, 2)},
+        "fp8_kv_calculated_scales": {tp: {key: run[key] for key in ("logits", "kv_scales")} for tp in (1, 2) for run in
+                                     [tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn, calculate_kv_scales=True)]},
         "restored_shard_shapes": restored_shard_shapes(llama[1], 2),
         "tp1_seeded_token_ids": seeded_token_ids(tp1),
         "speculative": speculative_serve(llama[1], tp1, compiles),

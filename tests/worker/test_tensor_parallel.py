@@ -139,6 +139,18 @@ def test_fp8_pool_split_over_kv_heads_gives_tp1_logits(findings):
     np.testing.assert_allclose(np.array(runs["2"]), np.array(runs["1"]), atol=1e-5, rtol=1e-5)
 
 
+def test_fp8_pool_with_calculated_scales_split_over_kv_heads_gives_tp1_scales_and_logits(findings):
+    """calculate_kv_scales under TP: the calibration step's maxima run over every device's heads (the pool split
+    over KV heads, the maximum over all of them), so each layer's scales are TP=1's, and so are the logits."""
+    runs = findings["fp8_kv_calculated_scales"]
+    scales = np.array(runs["1"]["kv_scales"])
+    assert scales.shape == (2, 2) and not np.allclose(scales, 1.0)
+    np.testing.assert_allclose(np.array(runs["2"]["kv_scales"]), scales, rtol=1e-6)
+    np.testing.assert_allclose(np.array(runs["2"]["logits"]), np.array(runs["1"]["logits"]), atol=1e-5, rtol=1e-5)
+    # The scales reach the attention: these logits are not scale 1.0's.
+    assert not np.allclose(np.array(runs["1"]["logits"]), np.array(findings["fp8_kv_logits"]["1"]), atol=1e-5)
+
+
 @pytest.mark.parametrize("tp", ["2", "4"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_experts_split_within_each_expert_give_tp1_logits(findings, family, tp):
