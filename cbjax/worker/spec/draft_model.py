@@ -27,9 +27,11 @@ from cbjax.core.kv.block_manager import BlockManager
 from cbjax.core.request import Request, RequestStatus
 from cbjax.core.spec.config import SpeculativeConfig
 from cbjax.models.config import ModelConfig
-from cbjax.models.layers.attention import resolve_backend
+from cbjax.models.layers.attention import AttentionPlan, resolve_backend
 from cbjax.models.layers.kv_pool import init_kv_pool
+from cbjax.tokenizer.tokenizer import Tokenizer
 from cbjax.worker.compilation.buckets import powers_of_two
+from cbjax.worker.kv_scales import calibrate_kv_scales
 from cbjax.worker.model_runner import kv_cache_dtype, matmul_precision
 from cbjax.worker.spec.draft_rows import draft_rows_needed
 from cbjax.worker.spec.draft_steps import DraftStepInputs, draft_program
@@ -93,6 +95,9 @@ class DraftModelProposer:
                           spec.model)
         model, self.model_config = load_model(resolve_model(spec.model), dtype=dtype, activation_dtype=activation_dtype)
         self.block_size = bs = config.block_size
+        # Its own fp8 pool's scales, calibrated like the target's (the jnp path: the draft's weights are not packed).
+        self.kv_scales = calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), bs,
+                                             AttentionPlan("xla")) if config.calculate_kv_scales else None
         self.attention_backend = config.attention_backend
         self.num_rows = max(2, draft_rows_needed(config))  # two rows at least: XLA:CPU's one-row dots are slow
         self.max_blocks = -(-(config.max_model_len + self.k) // bs)
