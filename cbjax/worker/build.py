@@ -127,7 +127,8 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     if config.calculate_kv_scales:  # before the LoRA slots: the calibration step runs the base model alone
         mesh = None if tensor_parallel is None else tensor_parallel.mesh
         calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), config.block_size,
-                            AttentionPlan(backend, mesh=mesh, expert_parallel=config.enable_expert_parallel))
+                            AttentionPlan(backend, mesh=mesh, expert_parallel=config.enable_expert_parallel),
+                            config.max_model_len)
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
         attach_lora(model, mc, config.max_loras, config.max_lora_rank)
     # A draft model (speculative_config method "draft_model") is loaded before the pool is sized, so the

@@ -55,12 +55,14 @@ CALIBRATION_TEXTS = (
 )
 
 
-def calibration_prompts(tokenizer: Tokenizer) -> list[list[int]]:
-    """The token ids of each calibration prompt, as the engine would get them from `generate` and `chat`."""
+def calibration_prompts(tokenizer: Tokenizer, max_len: int | None = None) -> list[list[int]]:
+    """The token ids of each calibration prompt, as the engine would get them from `generate` and `chat`, each cut
+    to its first `max_len` (the engine's max_model_len: no position the model will not serve)."""
     prompts = [tokenizer.encode(text) for text in CALIBRATION_TEXTS]
-    if tokenizer.chat_template is None:
-        return prompts
-    return prompts + [tokenizer.encode_chat(tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_TEXTS[1]}]))]
+    if tokenizer.chat_template is not None:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_TEXTS[1]}])
+        prompts.append(tokenizer.encode_chat(chat))
+    return [prompt[:max_len] for prompt in prompts]
 
 
 def prompt_step(
@@ -129,11 +131,12 @@ def set_kv_scales(model: nnx.Module, scales: Sequence[tuple[float, float]]) -> N
         layer.self_attn.kv_scales = (float(k_scale), float(v_scale))
 
 
-def calibrate_kv_scales(model: nnx.Module, tokenizer: Tokenizer, block_size: int,
-                        plan: AttentionPlan) -> list[tuple[float, float]]:
-    """Compute each layer's scales from the calibration prompts, set them on `model` and return them."""
+def calibrate_kv_scales(model: nnx.Module, tokenizer: Tokenizer, block_size: int, plan: AttentionPlan,
+                        max_len: int | None = None) -> list[tuple[float, float]]:
+    """Compute each layer's scales from the calibration prompts (cut to `max_len`), set them on `model` and return
+    them."""
     start = time.perf_counter()
-    prompts = calibration_prompts(tokenizer)
+    prompts = calibration_prompts(tokenizer, max_len)
     amax = kv_amax(model, prompts, block_size, plan)
     scales = scales_from_amax(amax)
     set_kv_scales(model, scales)

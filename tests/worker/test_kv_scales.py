@@ -83,6 +83,8 @@ def test_calibration_amax_is_transformers_kv_caches(tiny, backend):
     hf_dir, _, checkpoint = tiny
     prompts = calibration_prompts(Tokenizer.from_dir(checkpoint))
     assert len(prompts) == 6  # five texts and one chat turn (the tiny tokenizer has a template)
+    cut = calibration_prompts(Tokenizer.from_dir(checkpoint), 40)  # max_model_len 40: no longer prompt
+    assert cut == [prompt[:40] for prompt in prompts] and max(map(len, prompts)) > 40
     model, _ = load_model(checkpoint, dtype="float32")
     expected = transformers_amax(hf_dir, prompts)
     assert expected.min() > 448  # the premise: at scale 1.0 these would saturate
@@ -134,7 +136,7 @@ def test_a_draft_models_fp8_pool_is_calibrated_too(tiny):
     speculating = LLM(str(loud), **ENGINE_OPTIONS, kv_cache_dtype="fp8", calculate_kv_scales=True,
                       speculative_config={"model": str(loud), "num_speculative_tokens": 2})
     speculation = speculating.llm_engine.core.speculation
-    expected = transformers_amax(hf_dir, calibration_prompts(Tokenizer.from_dir(loud)))
+    expected = transformers_amax(hf_dir, calibration_prompts(Tokenizer.from_dir(loud), ENGINE_OPTIONS["max_model_len"]))
     np.testing.assert_allclose(speculation.drafter.kv_scales, expected / [K_SCALE_CONSTANT, V_SCALE_CONSTANT],
                                rtol=1e-5)
     outputs = lambda llm: [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]  # noqa: E731

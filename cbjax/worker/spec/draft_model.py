@@ -96,8 +96,10 @@ class DraftModelProposer:
         model, self.model_config = load_model(resolve_model(spec.model), dtype=dtype, activation_dtype=activation_dtype)
         self.block_size = bs = config.block_size
         # Its own fp8 pool's scales, calibrated like the target's (the jnp path: the draft's weights are not packed).
-        self.kv_scales = calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), bs,
-                                             AttentionPlan("xla")) if config.calculate_kv_scales else None
+        self.kv_scales = None
+        if config.calculate_kv_scales:
+            self.kv_scales = calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), bs,
+                                                 AttentionPlan("xla"), config.max_model_len)
         self.attention_backend = config.attention_backend
         self.num_rows = max(2, draft_rows_needed(config))  # two rows at least: XLA:CPU's one-row dots are slow
         self.max_blocks = -(-(config.max_model_len + self.k) // bs)
