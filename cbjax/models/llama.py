@@ -51,10 +51,12 @@ class Attention(nnx.Module):
                  fused: bool = False, layer_index: int = 0):
         hidden, head_dim = config.hidden_size, config.head_dim
         self.config = config
-        self.layer_index = layer_index
-        self.sliding_window = config.sliding_window(layer_index)  # static: None for full attention
-        # An fp8 pool's (k_scale, v_scale) for this layer, static like layer_index (each layer is its own trace):
-        # 1.0 unless calibrated at start-up (worker/kv_scales.py).
+        # What sets one layer apart, all static. Not the layer's index: layers alike in these share one
+        # graphdef, so a step traces them once (_decoder_layer).
+        self.rope = config.rope(layer_index)  # (base, scaling): Gemma 3's local layers have their own
+        self.sliding_window = config.sliding_window(layer_index)  # None for full attention
+        # An fp8 pool's (k_scale, v_scale) for this layer: 1.0 unless calibrated at start-up (worker/kv_scales.py),
+        # when each layer has its own and traces on its own.
         self.kv_scales = (1.0, 1.0)
         projection = lambda i, o, bias: linear(i, o, bias, dtype, rngs, activation_dtype)  # noqa: E731
         q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -87,7 +89,7 @@ class Attention(nnx.Module):
         if config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # One cos and sin per token for q's and k's heads alike.
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(config, self.layer_index))
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(config.head_dim, *self.rope))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, metadata, config.sm_scale, plan, self.sliding_window,
                                            self.kv_scales)
@@ -162,11 +164,11 @@ def _decoder_layer(
     graphdef: nnx.GraphDef, state: nnx.State, x: Float[Array, "tokens hidden"], positions: Int[Array, "tokens"],
     kv_pool: KVPool, metadata: AttentionMetadata, plan: AttentionPlan,
 ) -> tuple[Float[Array, "tokens hidden"], KVPool]:
-    """One decoder layer as its own jitted function, which the step calls num_hidden_layers times
-    (XLA inlines the calls before optimizing, so the compiled step is the unrolled one). A layer's
-    static attributes are part of its graphdef, so layers that differ in them trace apart: since
-    each Attention keeps its layer_index (per-layer RoPE and windows), every layer traces on its own
-    (30 traces of Attention per SmolLM2 step program, counted by wrapping its __call__)."""
+    """One decoder layer as its own jitted function: layers alike in structure, shapes and static
+    attributes share one graphdef, so a step traces and lowers the layer once per kind (one for
+    Llama, two for Gemma 3's local and global layers) and calls it num_hidden_layers times (XLA
+    inlines the calls before optimizing, so the compiled step is the unrolled one). Per-layer fp8
+    scales (calculate_kv_scales) make every layer its own kind."""
     return nnx.merge(graphdef, state)(x, positions, kv_pool, metadata, plan)
 
 

@@ -10,17 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from cbjax.models.config import ModelConfig, RopeScaling
-
-
-def rope_inv_freq(config: ModelConfig, layer: int) -> np.ndarray:
-    """Layer `layer`'s inverse frequencies [head_dim // 2] (float32); layers may differ (Gemma 3's local and global)."""
-    return _inv_freq(config.head_dim, *config.rope(layer))
+from cbjax.models.config import RopeScaling
 
 
 @functools.lru_cache(maxsize=None)
-def _inv_freq(dim: int, rope_theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse frequencies [dim // 2] (float32), scaled like transformers' ROPE_INIT_FUNCTIONS."""
+def rope_inv_freq(dim: int, rope_theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [dim // 2] (float32), scaled like transformers' ROPE_INIT_FUNCTIONS; a layer's
+    base and scaling are ModelConfig.rope(layer)'s (layers may differ: Gemma 3's local and global)."""
     inv_freq = 1.0 / (rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
