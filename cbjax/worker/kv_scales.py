@@ -38,7 +38,7 @@ K_SCALE_CONSTANT = 200.0  # vLLM's envs.K_SCALE_CONSTANT: k_scale = max |K| / th
 V_SCALE_CONSTANT = 100.0  # vLLM's envs.V_SCALE_CONSTANT: v_scale = max |V| / this
 
 # What the calibration step reads: prose, a question, code, numbers and a list, each its own prompt (each starts
-# as a request's prompt would, with the tokenizer's BOS where it adds one), and the first as a chat turn too
+# as a request's prompt would, with the tokenizer's BOS where it adds one), and the question as a chat turn too
 # where the tokenizer has a chat template.
 CALIBRATION_TEXTS = (
     "The history of the printing press begins in the fifteenth century, when movable metal type made books cheap "
