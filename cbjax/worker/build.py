@@ -126,8 +126,10 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
     )
     if config.calculate_kv_scales:  # before the LoRA slots: the calibration step runs the base model alone
         mesh = None if tensor_parallel is None else tensor_parallel.mesh
+        # The C++ kernel's build is waited for here (the runner falls back to "xla" where it failed, and so does this).
+        calibration = "xla" if backend == "cpp" and kernel_problem() is not None else backend
         calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), config.block_size,
-                            AttentionPlan(backend, mesh=mesh, expert_parallel=config.enable_expert_parallel),
+                            AttentionPlan(calibration, mesh=mesh, expert_parallel=config.enable_expert_parallel),
                             config.max_model_len)
     if config.enable_lora:  # every projection gets max_loras adapter slots beside the base model's (slot 0)
         attach_lora(model, mc, config.max_loras, config.max_lora_rank)

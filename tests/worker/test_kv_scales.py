@@ -144,3 +144,27 @@ def test_a_draft_models_fp8_pool_is_calibrated_too(tiny):
     # The same model over the same scales drafts the target's tokens: 30 of 30 accepted here (the draft at scale 1.0:
     # 5 of 79).
     assert speculation.num_accepted_tokens >= 0.9 * speculation.num_draft_tokens > 0
+
+
+def test_calibration_runs_the_jnp_attention_where_the_kernel_build_failed(tiny, monkeypatch):
+    """Where the C++ kernel did not build, the engine serves with the jnp attention (cpu_kernel_fallback), and the
+    calibration step runs there too rather than call a kernel that is not registered."""
+    import cbjax.worker.build as build_module
+    import cbjax.worker.model_runner as runner_module
+
+    _, quiet, loud = tiny
+    problem = lambda: "KernelBuildError: compiling paged_attention.cc failed"  # noqa: E731
+    monkeypatch.setattr(build_module, "kernel_problem", problem)
+    monkeypatch.setattr(runner_module, "kernel_problem", problem)
+    backends = []
+    calibrate = build_module.calibrate_kv_scales
+    monkeypatch.setattr(build_module, "calibrate_kv_scales",
+                        lambda model, tokenizer, block_size, plan, max_len: backends.append(plan.backend) or
+                        calibrate(model, tokenizer, block_size, plan, max_len))
+    with pytest.warns(RuntimeWarning, match="compiling paged_attention.cc failed"):
+        llm = LLM(str(loud), **ENGINE_OPTIONS, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    assert backends == ["xla"] and llm.llm_engine.backend == "xla"
+    prompts = [np.random.default_rng(2).integers(3, 300, size=12).tolist()]
+    reference = prompt_logprobs(LLM(str(quiet), **ENGINE_OPTIONS, kv_cache_dtype="float32", attention_backend="xla"),
+                                prompts)
+    assert np.abs(prompt_logprobs(llm, prompts) - reference).mean() < 0.1
