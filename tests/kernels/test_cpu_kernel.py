@@ -37,6 +37,7 @@ CASES = [
     Case(16, 20, 8, "float16", num_kv_heads=1),  # head_dim not a multiple of 8: the scalar tail
     Case(8, 64, 2, "float32", num_kv_heads=4),
     Case(16, 64, 3, "float32", num_kv_heads=3, kv_dtype="float8_e4m3fn", k_scale=0.05, v_scale=4.0),  # fp8 pool
+    Case(8, 128, 4, "float32", num_kv_heads=2, kv_dtype="float8_e4m3fn", k_scale=2.0, v_scale=0.5),
     # A decode's rows are a group's query heads, read in blocks that share each key (4 at head_dim 64, 2 at 128):
     # 7 rows are a block of 4 and one of 3, 3 rows at 128 one of 2 and one of 1; pages of 4 keys.
     Case(16, 64, 7, "bfloat16", num_kv_heads=1),
@@ -90,6 +91,26 @@ def test_mixed_batch_equals_reference(case: Case):
     out, ref = run_both(case, q_lens, seq_lens, num_tokens, seed=1)
     assert_close(out, ref)
     assert not out[sum(q_lens) :].any(), "padding tokens must give 0"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_widens_every_e4m3_code_like_xla(head_dim):
+    """A decode reads an fp8 pool in place, widening 16 codes at a time in registers. Requests of one key each give
+    out = that key's V row exactly (its softmax weight is 1): V rows holding all 256 codes, subnormals and the two
+    NaN codes included, must come out as XLA's own float8_e4m3fn -> float32 conversion gives them."""
+    codes = np.arange(256, dtype=np.uint8).reshape(-1, head_dim)  # one request per row of codes
+    num_reqs = codes.shape[0]
+    shape = (1, num_reqs + 1, 8, head_dim)  # one KV head; request r's key in block r + 1, slot 0
+    v_pages = np.zeros(shape, np.uint8)
+    v_pages[0, 1:, 0] = codes
+    v_pages = jnp.asarray(v_pages).view(jnp.float8_e4m3fn)
+    k_pages = jnp.zeros(shape, jnp.float8_e4m3fn)
+    block_tables = jnp.asarray(np.arange(1, num_reqs + 1, dtype=np.int32)[:, None])
+    metadata = ragged_metadata([1] * num_reqs, [1] * num_reqs, block_tables, num_reqs)
+    q = jnp.ones((num_reqs, 1, head_dim), jnp.float32)
+    out = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=SM_SCALE))(q, k_pages, v_pages, metadata)
+    expected = jnp.asarray(codes).view(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], np.asarray(expected))  # NaN where XLA gives NaN
 
 
 def assert_build_attends_like_reference(library: ctypes.CDLL, tag: str) -> None:
