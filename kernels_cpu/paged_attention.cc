@@ -167,6 +167,18 @@ struct E4M3Table {
 // of the value times 2^-8 (f16's exponent bias is 15, e4m3's 7), subnormals included; F16C widens that exactly and
 // the product by 256 is exact too. The NaN code S.1111.111 comes out as +-480, which no finite code gives (the
 // largest is 448): those lanes are made NaN.
+#if defined(__AVX512F__)
+// 16 codes in one register (PoolRows' widen returns it: two 8-float halves stored and read back as one 16-float
+// load would stall).
+inline __m512 e4m3x16_to_floats(const uint8_t* src) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
+}
+#else
 inline __m256 e4m3_times_256_to_float8(__m128i x16) {  // 8 codes, zero-extended to 16-bit lanes
   const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x16, _mm_set1_epi16(0x80)), 8),
                                  _mm_slli_epi16(_mm_and_si128(x16, _mm_set1_epi16(0x7f)), 7));
@@ -174,11 +186,16 @@ inline __m256 e4m3_times_256_to_float8(__m128i x16) {  // 8 codes, zero-extended
   const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), f);
   return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_cmp_ps(magnitude, _mm256_set1_ps(480.0f), _CMP_EQ_OQ));
 }
+#endif
 
 inline void widen_e4m3x16(const uint8_t* src, float* dst) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(dst, e4m3x16_to_floats(src));
+#else
   const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   _mm256_storeu_ps(dst, e4m3_times_256_to_float8(_mm_cvtepu8_epi16(codes)));
   _mm256_storeu_ps(dst + 8, e4m3_times_256_to_float8(_mm_cvtepu8_epi16(_mm_srli_si128(codes, 8))));
+#endif
 }
 #endif
 
@@ -490,13 +507,7 @@ inline v16 PoolRows<F16Tag>::widen(const uint16_t* p) {
 template <>
 inline v16 PoolRows<F8E4M3Tag>::widen(const uint8_t* p) {
 #if defined(__AVX512F__)
-  // widen_e4m3x16 in one register: its two 8-float stores read back as one 16-float load would stall.
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
-  return (v16)_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
+  return (v16)e4m3x16_to_floats(p);
 #else
   v16 out;
   widen_e4m3x16(p, (float*)&out);
