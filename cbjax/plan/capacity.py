@@ -220,8 +220,10 @@ def plan_capacity(
     engine_config.resolve(config.max_position_embeddings)
     max_model_len = engine_config.max_model_len
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
-    parameters, active_parameters = parameter_counts(representative_model(config, weight_dtype), config)
-    model = representative_model(config, weight_dtype, quantization, quantize_lm_head)
+    float_model = representative_model(config, weight_dtype)  # parameters are counted unquantized
+    parameters, active_parameters = parameter_counts(float_model, config)
+    model = float_model if quantization is None else representative_model(config, weight_dtype, quantization,
+                                                                           quantize_lm_head)
     if gguf is None:
         check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
 
