@@ -508,7 +508,8 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // tile sums stored and finished by the vector units, the three stages pipelined over k-tiles. It ran about
 // as fast as these passes at 16 and 64 rows and at half their speed at 1 (`python -m benchmarks.quant_kernels`):
 // every group costs tile loads of x's three parts and tile stores of its sums, which did not overlap the
-// vector work.
+// vector work. A second design (x's parts as tile rows, five rows of x a tile) was slower at 1-512 rows, and
+// passes over half a panel with 16 or 24 rows slower than these 8-row ones (BENCHMARKS.md, "Quantized weights").
 
 constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), beside 4 weight vectors
 
