@@ -1,7 +1,7 @@
 """A GGUF file's tensors as the model's parameters, kept as stored where the engine has a kernel for them.
 
 Decoder projections, the token embedding and the LM head in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel`
-nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0 or Q6_K
+nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0, Q6_K or Q5_0
 they stay int8: `...kernel` int8 [in, out] with `...scales` [in / G, out], G 32 or 16 (gguf_q8.py). Both are
 the file's own bits, which the packed C++ matmul or its jnp form multiply. The embedding is kept as its LM
 head's kernel, [hidden, vocab] (`model.embed_tokens.embedding`, with scales beside it): one copy is the tied

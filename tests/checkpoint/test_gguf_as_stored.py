@@ -37,7 +37,7 @@ from kernels_cpu.quant4 import dequantize_int4
 SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct"
 # q/k/v and gate/up 4-bit (each fused kernel one form, types mixed inside one), o_proj 4-bit; the rest as before.
 AS_STORED_TYPES = {**QUANT_TYPES, "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q4_0,
-                   "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
+                   "attn_output.weight": Q.Q5_0, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
 
 
 def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
@@ -56,7 +56,7 @@ def q6_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0])
 def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
@@ -93,8 +93,13 @@ def test_a_fused_kernel_stays_quantized_only_if_all_its_parts_share_one_form():
     types = {"embd": Q.Q8_0, "head": Q.Q6_K, "norm": Q.F32,
              "q0": Q.Q4_0, "k0": Q.F16, "v0": Q.Q4_K, "o0": Q.Q4_1, "gate0": Q.Q4_K, "up0": Q.Q4_0,
              "q1": Q.Q8_0, "k1": Q.Q8_0, "v1": Q.Q8_0, "o1": Q.Q6_K, "gate1": Q.Q8_0, "up1": Q.Q6_K,
-             "q2": Q.Q6_K, "k2": Q.Q6_K, "v2": Q.Q6_K, "o2": Q.Q8_0, "gate2": Q.Q4_0, "up2": Q.Q8_0}
-    assert _kept_as_stored(types, slots) == {"embd", "head", "o0", "gate0", "up0", "q1", "k1", "v1", "o1", "q2", "k2", "v2", "o2"}
+             "q2": Q.Q6_K, "k2": Q.Q6_K, "v2": Q.Q6_K, "o2": Q.Q8_0, "gate2": Q.Q4_0, "up2": Q.Q8_0,
+             # llama.cpp's Q4_K_M where 256 does not divide a row: Q5_0 (int8 groups of 32) beside Q8_0 fuses
+             "q3": Q.Q5_0, "k3": Q.Q5_0, "v3": Q.Q8_0, "o3": Q.Q5_0, "gate3": Q.Q5_0, "up3": Q.Q6_K}
+    slots.update({f"{part}3": f"model.layers.3.{kind}.{part}_proj.kernel"
+                  for kind, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up"))) for part in parts})
+    assert _kept_as_stored(types, slots) == {"embd", "head", "o0", "gate0", "up0", "q1", "k1", "v1", "o1", "q2", "k2", "v2",
+                                             "o2", "q3", "k3", "v3", "o3"}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +116,11 @@ def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
     stored, imported = tiny_gguf
     with caplog.at_level(logging.INFO, logger="cbjax.checkpoint.gguf_params"):
         packed, _ = load_model(stored, pack_for_cpu=True, fused_projections=True)
-    assert ("15 tensors kept quantized (3 Q8_0, 6 Q4_0, 6 Q4_1); dequantized to float32 at load: "
+    assert ("15 tensors kept quantized (3 Q8_0, 6 Q4_0, 4 Q4_1, 2 Q5_0); dequantized to float32 at load: "
             "5 F32 (output_norm.weight, ") in caplog.text
     layer = packed.model.layers[0]
     assert layer.self_attn.qkv_proj.kernel[...].dtype == np.uint8 and layer.mlp.down_proj.kernel[...].dtype == np.int8
+    assert layer.self_attn.o_proj.kernel[...].dtype == np.int8  # Q5_0: int8 groups of 32
     # 4-bit scales and mins packed by panel beside their nibble panels (linear.pack_scales_beside), int8 scales not
     qkv = layer.self_attn.qkv_proj
     assert qkv.scales[...].shape == qkv.mins[...].shape == (qkv.kernel.shape[0], 2 * qkv.kernel.shape[1] // 32, 32)

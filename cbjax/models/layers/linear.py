@@ -17,7 +17,7 @@ from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> the parameters beside it and its unpacked product: int8 q [in, out] with
-# scales [out] or [in / G, out] (GGUF's Q8_0, Q6_K); 4-bit nibbles [in / 2, out] with scales and mins
+# scales [out] or [in / G, out] (GGUF's Q8_0, Q6_K, Q5_0); 4-bit nibbles [in / 2, out] with scales and mins
 # [in / G, out] (GGUF's 4-bit tensors too).
 QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): (("scales",), int8_matmul),
                      jnp.dtype(jnp.uint8): (("scales", "mins"), int4_matmul)}
