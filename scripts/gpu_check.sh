@@ -2,7 +2,8 @@
 # One call on a GPU host (the device tool's machine): the compiled Pallas kernels against the
 # reference (pytest -m gpu), the kernel benchmark, sliding-window and expert-matmul benchmarks, the
 # engine decode step at Llama-3-8B shapes,
-# whole-engine throughput on a random-weight Llama-3.2-1B-shaped model (Pallas vs XLA attention),
+# whole-engine throughput on a random-weight Llama-3.2-1B-shaped model (Pallas vs XLA attention; then
+# int8 and int4 weights and an fp8 KV pool on the same model and workload),
 # a tensor-parallel run where there are several GPUs, then as much of the full suite as time leaves.
 # Writes logs and JSON under ${OUT:-gpu_results}/ and prints a short table of each.
 #
@@ -33,8 +34,8 @@ deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-400} ))
 left() { local l=$(( deadline - $(date +%s) )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 phase() { echo; echo "== $1 ($(date +%T), $(( deadline - $(date +%s) )) s left)"; }
 # GPU_CHECK_PHASES picks phases (default all):
-#   machine gpu-tests kernels sliding-window moe engine-step throughput tp suite
-all_phases="machine gpu-tests kernels sliding-window moe engine-step throughput tp suite"
+#   machine gpu-tests kernels sliding-window moe engine-step throughput quantized tp suite
+all_phases="machine gpu-tests kernels sliding-window moe engine-step throughput quantized tp suite"
 want() { [[ " ${GPU_CHECK_PHASES:-$all_phases} " == *" $1 "* ]]; }
 
 if want machine; then
@@ -80,6 +81,20 @@ if [ -f .gpu_carry/tokenizer/tokenizer.json ]; then
   done
 else
   echo "skipped: no .gpu_carry/tokenizer/tokenizer.json (bash scripts/gpu_carry.sh makes it)"
+fi
+
+fi
+if want quantized; then
+phase "engine throughput, the same model and workload: int8, int4 weights; fp8 KV with calculated scales"
+if [ -d /tmp/random-1b ]; then
+  for variant in "int8:--quantization int8" "int4:--quantization int4" "fp8_kv:--kv-cache-dtype fp8 --calculate-kv-scales"; do
+    # shellcheck disable=SC2086  # the flags are words
+    timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b ${variant#*:} \
+      --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
+      --max-model-len 1024 --result-json "$out/throughput_${variant%%:*}.json" 2>&1 | grep -v "it/s\]" | tail -4
+  done
+else
+  echo "skipped: no /tmp/random-1b (the throughput phase writes it)"
 fi
 
 fi
