@@ -28,7 +28,14 @@ from jaxtyping import Array, Int
 from tqdm.auto import tqdm
 
 from cbjax.worker.block_table import BlockTable, TableWrites, apply_writes, empty_writes, gather_rows, write_capacity
-from cbjax.worker.compilation.buckets import Bucket, compute_buckets, pick_bucket, step_shapes
+from cbjax.worker.compilation.buckets import (
+    ACCELERATOR_MIN_DECODE_REQS,
+    CPU_MIN_DECODE_REQS,
+    Bucket,
+    compute_buckets,
+    pick_bucket,
+    step_shapes,
+)
 from cbjax.worker.compilation.compile_cache import StepCache, compile_cache_folder, step_compiler_options
 from cbjax.worker.sample.logprobs import TokenLogprobs, prompt_logprobs
 from cbjax.worker.distributed.multihost import peer_failures
@@ -189,7 +196,8 @@ class ModelRunner:
         self._shardings = {} if tensor_parallel is None else step_shardings(tensor_parallel, self.step_weights)
         self.buckets = compute_buckets(
             config.max_num_seqs, config.max_num_batched_tokens, midpoints=config.prompt_bucket_midpoints,
-            verify_rows=self.num_draft_rows, num_speculative_tokens=self.num_speculative_tokens)
+            verify_rows=self.num_draft_rows, num_speculative_tokens=self.num_speculative_tokens,
+            min_decode_reqs=CPU_MIN_DECODE_REQS if backend == "cpp" else ACCELERATOR_MIN_DECODE_REQS)
         # Table writes beyond a step's own capacity go first, this many per call of the write_table program.
         self.table_write_size = max(self._write_capacity(bucket) for bucket in self.buckets)
         # The latest step's sampled tokens, kept on the device (padded to the widest bucket): the next

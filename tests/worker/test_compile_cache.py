@@ -68,11 +68,13 @@ def test_a_new_process_compiles_only_the_steps_no_start_stored(tmp_path):
     first = run_engine_process(checkpoint, tmp_path / "cache", seed=0)
     assert first["compiles"] >= 3, "the first process should compile every step bucket into the default cache"
     assert list((tmp_path / "cache" / "xla").iterdir()), "the default cache lives under CBJAX_CACHE_DIR/xla"
-    # The C++ kernel runs decode steps as mixed ones: decode 16 rows and mixed 16 tokens are one program.
+    # 16 sequences, 32 tokens: mixed buckets of 16 and 32 tokens; decode buckets of 2, 4, 8 and 16 requests with
+    # the C++ CPU kernels (buckets.CPU_MIN_DECODE_REQS), 8 and 16 elsewhere. The C++ kernel runs decode steps as
+    # mixed ones: decode 16 rows and mixed 16 tokens are one program (5 in all; elsewhere 4).
     # On an accelerator the pool is sized from memory: a 2-block probe compiles the largest decode
     # and mixed steps first (its scratch is stored with the steps, so the warm start below skips it).
     probe = 0 if first["platform"] == "cpu" else 2
-    assert first["step_programs"] == (3 if first["backend"] == "cpp" else 4) + probe
+    assert first["step_programs"] == (5 if first["backend"] == "cpp" else 4) + probe
     other = run_engine_process(checkpoint, tmp_path / "cache", seed=1)
     assert other["step_programs"] == first["step_programs"] and other["compiles"] >= other["step_programs"]
     again = run_engine_process(checkpoint, tmp_path / "cache", seed=1)

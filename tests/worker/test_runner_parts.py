@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cbjax.worker.compilation.buckets import (
+    CPU_MIN_DECODE_REQS,
     MIN_ROWS,
     Bucket,
     compute_buckets,
@@ -25,6 +26,10 @@ def test_buckets_cover_every_step_and_prune_infeasible_pairs():
     assert decode == [(8, 8), (16, 16), (32, 32), (64, 64)]
     assert mixed == [(16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64)]
     assert all(b.num_reqs <= b.num_tokens for b in buckets)
+    # A CPU engine's (the C++ kernels': a step's multiply-adds grow with its rows) start at two requests.
+    cpu = compute_buckets(max_num_seqs=64, max_num_batched_tokens=512, min_decode_reqs=CPU_MIN_DECODE_REQS)
+    assert [(b.num_tokens, b.num_reqs) for b in cpu if b.kind == "decode"] == [(2, 2), (4, 4)] + decode
+    assert [b for b in cpu if b.kind == "mixed"] == [b for b in buckets if b.kind == "mixed"]
     # Limits that are not powers of two are buckets themselves, so the largest step always fits.
     odd = compute_buckets(max_num_seqs=12, max_num_batched_tokens=100)
     assert max(b.num_reqs for b in odd if b.kind == "decode") == 12

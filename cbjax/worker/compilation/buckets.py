@@ -9,6 +9,14 @@ import dataclasses
 # 22 ms at 2), so a lone request runs in a two-row step with one padding row.
 MIN_ROWS = 2
 
+# The fewest requests of a decode bucket. On an accelerator a decode step streams the weights once whatever
+# its rows, so a step of 1-8 requests costs what an 8-request one does, and its decode buckets start at 8
+# (fewer compiles at start-up). With the C++ CPU kernels the matmuls' multiply-adds grow with the rows, padded
+# or not (most of all for 4-bit and int8 weights, widened in registers per row pass), so a CPU engine's
+# decode buckets start at MIN_ROWS: 2, 4, 8, ... (`python -m benchmarks.decode_buckets`).
+ACCELERATOR_MIN_DECODE_REQS = 8
+CPU_MIN_DECODE_REQS = MIN_ROWS
+
 # With prompt_bucket_midpoints, mixed buckets also come at 1.5x each power of two from this many
 # tokens up (96, 192, 384, ...).
 # There a step's time grows with its rows, padded or real alike (`python -m benchmarks.step_compile_times
@@ -53,7 +61,7 @@ def compute_buckets(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     *,
-    min_decode_reqs: int = 8,
+    min_decode_reqs: int = ACCELERATOR_MIN_DECODE_REQS,
     min_mixed_tokens: int = 16,
     midpoints: bool = False,
     verify_rows: int = 0,
@@ -61,7 +69,8 @@ def compute_buckets(
 ) -> list[Bucket]:
     """All step shapes compiled at start-up.
 
-    Decode steps are bucketed by request count. Mixed steps are bucketed by token
+    Decode steps are bucketed by request count, from `min_decode_reqs` (ACCELERATOR_MIN_DECODE_REQS or
+    CPU_MIN_DECODE_REQS) up. Mixed steps are bucketed by token
     count, each with the most requests it can hold (never more requests than
     tokens): a mixed step's padded request rows are nearly free (one-token requests
     run through the decode path, which skips empty rows' work: a 256-token prompt
@@ -102,7 +111,7 @@ def step_shapes(buckets: list[Bucket], decode_runs_as_mixed: bool) -> dict[Bucke
     With an attention that runs a decode-only step exactly as a mixed one (the C++ CPU kernel),
     a decode bucket and a mixed bucket of the same (tokens, requests) lower to the same program:
     it is compiled, loaded from the cache and warmed up once (the default 64-sequence, 512-token
-    set has 3 such pairs among its 10 buckets).
+    set has 3 such pairs among its 12 CPU buckets).
     """
     first: dict[object, Bucket] = {}
     return {
