@@ -10,7 +10,8 @@ over --rounds after a warm-up round, medians. `vs_first` is each engine's rate o
 the first --min-decode-reqs. The engines' build seconds are printed too, but later builds reuse the earlier
 ones' caches; `--cold-starts N` measures start-up instead: N fresh processes per setting, alternated, each
 building run.sh's demo engine (the GGUF file, 32 sequences, 1024 tokens, 256 batched) with empty caches and
-reporting LLM()'s seconds and its steps' compile seconds (the smaller buckets are more programs to compile).
+reporting LLM()'s seconds and its steps' compile seconds (the smaller buckets are more programs to compile);
+with `--warm`, from the caches one earlier start of the same setting filled.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from cbjax import LLM
 from cbjax.bench.common import print_table, write_json
 from cbjax.worker import model_runner
 
-# One cold start in a fresh process: CPU_MIN_DECODE_REQS from argv, every cache empty; prints one JSON line.
+# One start in a fresh process: CPU_MIN_DECODE_REQS, the model, and the compilation cache "off" or "auto" from
+# argv; prints one JSON line.
 COLD_START = """
 import json, logging, sys, time
 from cbjax.worker import model_runner
@@ -43,7 +45,8 @@ logging.getLogger("cbjax.worker.build").addHandler(Steps())
 logging.getLogger("cbjax.worker.build").setLevel(logging.INFO)
 from cbjax import LLM
 start = time.perf_counter()
-LLM(sys.argv[2], max_num_seqs=32, max_model_len=1024, max_num_batched_tokens=256, compilation_cache_dir=None)
+LLM(sys.argv[2], max_num_seqs=32, max_model_len=1024, max_num_batched_tokens=256,
+    compilation_cache_dir=None if sys.argv[3] == "off" else "auto")
 print(json.dumps({"llm_s": time.perf_counter() - start, "compile_s": compiled[0] if compiled else None}))
 """
 
@@ -58,7 +61,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cold-starts", type=int, default=0, help="measure cold start-up instead (processes per setting)")
+    p.add_argument("--cold-starts", type=int, default=0, help="measure start-up instead (processes per setting)")
+    p.add_argument("--warm", action="store_true", help="with --cold-starts: from caches a first start filled")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     if args.cold_starts:
@@ -90,19 +94,32 @@ def main() -> None:
     write_json(args.result_json, {"startup": startup, "speed": rows, "args": vars(args)})
 
 
+def start(min_reqs: int, env: dict, compile_cache: str) -> dict:
+    """One engine start in a fresh process (COLD_START), with `env`'s caches and the compile cache on ("auto") or "off"."""
+    done = subprocess.run([sys.executable, "-c", COLD_START, str(min_reqs), MODELS["gguf-q4_1"], compile_cache],
+                          env=os.environ | env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def cold_starts(args: argparse.Namespace) -> None:
-    """Fresh processes with empty caches, the settings alternated: LLM()'s and its compiles' seconds."""
+    """Fresh processes, the settings alternated: LLM()'s and its compiles' seconds with empty caches
+    (--cold-starts) or, with --warm, from caches one start of the same setting filled (its compile
+    seconds are then the step cache's loads)."""
     rows = []
-    for round_index in range(args.cold_starts):
-        for min_reqs in args.min_decode_reqs:
-            with tempfile.TemporaryDirectory() as cache:
-                env = os.environ | {"CBJAX_CACHE_DIR": cache, "CBJAX_DISABLE_COMPILE_CACHE": "1"}
-                done = subprocess.run([sys.executable, "-c", COLD_START, str(min_reqs), MODELS["gguf-q4_1"]],
-                                      env=env, capture_output=True, text=True, check=True)
-            rows.append({"min_decode_reqs": min_reqs, "round": round_index, **json.loads(done.stdout.splitlines()[-1])})
-            print(rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as warm_root:
+        if args.warm:  # one filling start per setting, not counted
+            for min_reqs in args.min_decode_reqs:
+                start(min_reqs, {"CBJAX_CACHE_DIR": f"{warm_root}/{min_reqs}"}, "auto")
+        for round_index in range(args.cold_starts):
+            for min_reqs in args.min_decode_reqs:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = ({"CBJAX_CACHE_DIR": f"{warm_root}/{min_reqs}"} if args.warm else
+                           {"CBJAX_CACHE_DIR": cache, "CBJAX_DISABLE_COMPILE_CACHE": "1"})
+                    rows.append({"min_decode_reqs": min_reqs, "round": round_index, "warm": args.warm,
+                                 **start(min_reqs, env, "auto" if args.warm else "off")})
+                print(rows[-1], flush=True)
     summary = [{"min_decode_reqs": m, "llm_s": statistics.median(r["llm_s"] for r in rows if r["min_decode_reqs"] == m),
-                "compile_s": statistics.median(r["compile_s"] for r in rows if r["min_decode_reqs"] == m)}
+                "compile_s": statistics.median(r["compile_s"] or 0.0 for r in rows if r["min_decode_reqs"] == m)}
                for m in args.min_decode_reqs]
     print_table(summary, ["min_decode_reqs", "llm_s", "compile_s"])
     write_json(args.result_json, {"cold_starts": rows, "medians": summary, "args": vars(args)})
