@@ -50,10 +50,9 @@ def gguf_int8_groups(
         raise ValueError(f"GGUF type {qtype.name} is not kept as int8; kept as int8 are {[t.name for t in INT8_GROUPS]}")
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES[qtype])
-    if qtype == GGMLQuantizationType.Q8_0:
-        q, scales = blocks[:, 2:].view(np.int8), blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    elif qtype == GGMLQuantizationType.Q5_0:
-        q, scales = _q5_0_values(blocks[:, 2:6], blocks[:, 6:]), blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0):  # d first, then the block's values
+        scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        q = blocks[:, 2:].view(np.int8) if qtype == GGMLQuantizationType.Q8_0 else _q5_0_values(blocks[:, 2:6], blocks[:, 6:])
     else:
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
         q = _q6_k_values(blocks[:, :128], blocks[:, 128:192])
