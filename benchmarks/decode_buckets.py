@@ -94,9 +94,11 @@ def main() -> None:
     write_json(args.result_json, {"startup": startup, "speed": rows, "args": vars(args)})
 
 
-def start(min_reqs: int, env: dict, compile_cache: str) -> dict:
-    """One engine start in a fresh process (COLD_START), with `env`'s caches and the compile cache on ("auto") or "off"."""
-    done = subprocess.run([sys.executable, "-c", COLD_START, str(min_reqs), MODELS["gguf-q4_1"], compile_cache],
+def start(min_reqs: int, cache_dir: str, warm: bool) -> dict:
+    """One engine start in a fresh process (COLD_START) with its caches in `cache_dir`: the compile cache on
+    where `warm`, off (and JAX's with it) where not."""
+    env = {"CBJAX_CACHE_DIR": cache_dir} | ({} if warm else {"CBJAX_DISABLE_COMPILE_CACHE": "1"})
+    done = subprocess.run([sys.executable, "-c", COLD_START, str(min_reqs), MODELS["gguf-q4_1"], "auto" if warm else "off"],
                           env=os.environ | env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -109,14 +111,13 @@ def cold_starts(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as warm_root:
         if args.warm:  # one filling start per setting, not counted
             for min_reqs in args.min_decode_reqs:
-                start(min_reqs, {"CBJAX_CACHE_DIR": f"{warm_root}/{min_reqs}"}, "auto")
+                start(min_reqs, f"{warm_root}/{min_reqs}", warm=True)
         for round_index in range(args.cold_starts):
             for min_reqs in args.min_decode_reqs:
-                with tempfile.TemporaryDirectory() as cache:
-                    env = ({"CBJAX_CACHE_DIR": f"{warm_root}/{min_reqs}"} if args.warm else
-                           {"CBJAX_CACHE_DIR": cache, "CBJAX_DISABLE_COMPILE_CACHE": "1"})
+                with tempfile.TemporaryDirectory() as empty:
+                    cache_dir = f"{warm_root}/{min_reqs}" if args.warm else empty
                     rows.append({"min_decode_reqs": min_reqs, "round": round_index, "warm": args.warm,
-                                 **start(min_reqs, env, "auto" if args.warm else "off")})
+                                 **start(min_reqs, cache_dir, args.warm)})
                 print(rows[-1], flush=True)
     summary = [{"min_decode_reqs": m, "llm_s": statistics.median(r["llm_s"] for r in rows if r["min_decode_reqs"] == m),
                 "compile_s": statistics.median(r["compile_s"] or 0.0 for r in rows if r["min_decode_reqs"] == m)}

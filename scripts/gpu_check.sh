@@ -37,6 +37,8 @@ phase() { echo; echo "== $1 ($(date +%T), $(( deadline - $(date +%s) )) s left)"
 #   machine gpu-tests kernels sliding-window moe engine-step throughput quantized tp suite
 all_phases="machine gpu-tests kernels sliding-window moe engine-step throughput quantized tp suite"
 want() { [[ " ${GPU_CHECK_PHASES:-$all_phases} " == *" $1 "* ]]; }
+# The throughput, quantized and tp phases' one workload on /tmp/random-1b, so their results compare.
+workload=(--num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 --max-model-len 1024)
 
 if want machine; then
 phase "machine"
@@ -76,8 +78,7 @@ if [ -f .gpu_carry/tokenizer/tokenizer.json ]; then
   timeout $(left 40) python3 benchmarks/random_hf_model.py --shape llama-3.2-1b --tokenizer-dir .gpu_carry/tokenizer --out /tmp/random-1b
   for backend in ${GPU_CHECK_THROUGHPUT_BACKENDS:-pallas xla}; do
     timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b --attention-backend "$backend" \
-      --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
-      --max-model-len 1024 --result-json "$out/throughput_$backend.json" 2>&1 | grep -v "it/s\]" | tail -4
+      "${workload[@]}" --result-json "$out/throughput_$backend.json" 2>&1 | grep -v "it/s\]" | tail -4
   done
 else
   echo "skipped: no .gpu_carry/tokenizer/tokenizer.json (bash scripts/gpu_carry.sh makes it)"
@@ -90,8 +91,7 @@ if [ -d /tmp/random-1b ]; then
   for variant in "int8:--quantization int8" "int4:--quantization int4" "fp8_kv:--kv-cache-dtype fp8 --calculate-kv-scales"; do
     # shellcheck disable=SC2086  # the flags are words
     timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b ${variant#*:} \
-      --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
-      --max-model-len 1024 --result-json "$out/throughput_${variant%%:*}.json" 2>&1 | grep -v "it/s\]" | tail -4
+      "${workload[@]}" --result-json "$out/throughput_${variant%%:*}.json" 2>&1 | grep -v "it/s\]" | tail -4
   done
 else
   echo "skipped: no /tmp/random-1b (the throughput phase writes it)"
@@ -103,8 +103,7 @@ phase "tensor parallel"
 ngpu=$(python3 -c "import jax; print(jax.device_count())")
 if [ "$ngpu" -ge 2 ] && [ -d /tmp/random-1b ]; then
   timeout $(left 90) python3 -m cbjax bench throughput --model /tmp/random-1b --tensor-parallel-size "$ngpu" \
-    --num-prompts 128 --input-len 256 --output-len 128 --range-ratio 0.5 --max-num-seqs 128 \
-    --max-model-len 1024 --result-json "$out/throughput_tp$ngpu.json" 2>&1 | grep -v "it/s\]" | tail -4
+    "${workload[@]}" --result-json "$out/throughput_tp$ngpu.json" 2>&1 | grep -v "it/s\]" | tail -4
 else
   echo "skipped: $ngpu GPU(s)"
 fi
