@@ -5,7 +5,7 @@
 A decode step runs in the smallest compiled bucket that holds its requests, padded rows included, and the
 C++ CPU matmuls do each row's multiply-adds. Each engine of --models is built once per --min-decode-reqs
 (the engine's CPU_MIN_DECODE_REQS, set before it is built; worker/compilation/buckets.py), and all of them
-generate the same requests (32-token random prompts, --output-len greedy tokens, EOS ignored), alternated
+generate the same requests (--prompt-len random tokens, --output-len greedy tokens, EOS ignored), alternated
 over --rounds after a warm-up round, medians. `vs_first` is each engine's rate over the same model's with
 the first --min-decode-reqs. The engines' build seconds are printed too, but later builds reuse the earlier
 ones' caches; `--cold-starts N` measures start-up instead: N fresh processes per setting, alternated, each
@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--min-decode-reqs", type=int, nargs="+", default=[8, 2])
     p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold-starts", type=int, default=0, help="measure start-up instead (processes per setting)")
@@ -83,7 +84,7 @@ def main() -> None:
         rates = {key: [] for key in engines}
         for round_index in range(args.rounds + 1):  # round 0 warms every engine up and is not counted
             for key, llm in engines.items():
-                rate = output_tokens_per_s(llm, num_seqs, args.output_len, 32, seed=round_index)
+                rate = output_tokens_per_s(llm, num_seqs, args.output_len, args.prompt_len, seed=round_index)
                 if round_index:
                     rates[key].append(rate)
         medians = {key: statistics.median(values) for key, values in rates.items()}
