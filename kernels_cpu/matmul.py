@@ -6,7 +6,8 @@ ceil(K / 2), 64]: the same panels with rows k and k+1 interleaved per column (a 
 odd K), the pairs the bf16 dot instruction multiplies; x is then rounded to bfloat16 and the
 products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) does. Only widths
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
-float32 scales [N], or [K / G, N] for a scale per group of G inputs) packs as [ceil(N / 32), K, 32],
+float32 scales [N], or [K / G, N] for a scale per group of G inputs, with mins [K / G, N] beside them
+for GGUF's Q5_1 and Q5_K) packs as [ceil(N / 32), K, 32],
 zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
 float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
 and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
@@ -32,6 +33,7 @@ PANEL = 32  # columns per panel
 LAYOUT = "packed-3"
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
            jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
+INT8_MINS_TARGET = "CbjaxPackedMatmulI8Mins"  # int8 panels with scales and mins [K / G, N]
 QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded
 
 
@@ -100,15 +102,15 @@ def packed_matmul_reference(
     x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
     mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
-    """x @ w from the packed w (int8: with its scales, x @ (q * scales); 4-bit: scales and mins [K / G, N]
-    or packed [N / 32, K / G, 32], x @ (q * scales + mins) by groups), in jnp (any platform): what the kernel
-    computes."""
+    """x @ w from the packed w (int8: with its scales, x @ (q * scales), and mins [K / G, N] if given, x @ (q *
+    scales + mins); 4-bit: scales and mins [K / G, N] or packed [N / 32, K / G, 32], x @ (q * scales + mins) by
+    groups), in jnp (any platform): what the kernel computes."""
     if packed.dtype == jnp.uint8:
         if scales.ndim == 3:
             scales, mins = unpack_group_rows(scales), unpack_group_rows(mins)
         return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     if packed.dtype == jnp.int8:
-        return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales)
+        return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     w = unpack_weight(packed, x.shape[-1])
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -119,7 +121,7 @@ def packed_matmul_cpu(
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
     its float32 scales [N] (w = q * scales per column) or [K / G, N] (per group of G inputs), which also
-    give N; 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or
+    give N, and may take mins [K / G, N] beside grouped scales (w = q * scales + mins per group); 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or
     packed by pack_group_rows ([N / 32, K / G, 32], N whole panels)."""
     dtype = jnp.dtype(packed.dtype)
     # scales' ranks (None: no scales); 4-bit 3: packed by panel
@@ -128,7 +130,9 @@ def packed_matmul_cpu(
     if (
         packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
         or -(-x.shape[-1] // per_step) != packed.shape[1]
-        or (scales is None) != (expected_scales is None) or (mins is None) != (dtype != jnp.uint8)
+        or (scales is None) != (expected_scales is None)
+        or (dtype == jnp.uint8 and mins is None) or (mins is not None and dtype not in QUANTIZED)
+        or (dtype == jnp.int8 and mins is not None and scales.ndim != 2)
         or (scales is not None and (scales.ndim not in expected_scales or scales.ndim == 3 and scales.shape[2] != PANEL
                                     or -(-scales_width(scales) // PANEL) != packed.shape[0]))
         or (mins is not None and mins.shape != scales.shape)
@@ -137,7 +141,7 @@ def packed_matmul_cpu(
             f"packed_matmul_cpu: x {x.shape} does not match a packed weight {dtype} {packed.shape} with scales "
             f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape} (float32 "
             f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
-            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N]; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
+            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N], and mins of grouped scales' shape or none; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
             f"and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}])"
         )
     if dtype == jnp.int8 and scales.ndim == 2:
@@ -145,4 +149,5 @@ def packed_matmul_cpu(
     n = packed.shape[0] * PANEL if scales is None else scales_width(scales)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
     operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)
-    return jax.ffi.ffi_call(target(TARGETS[dtype]), out)(x.astype(jnp.float32), packed, *operands)
+    name = INT8_MINS_TARGET if dtype == jnp.int8 and mins is not None else TARGETS[dtype]
+    return jax.ffi.ffi_call(target(name), out)(x.astype(jnp.float32), packed, *operands)

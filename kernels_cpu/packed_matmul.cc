@@ -6,7 +6,8 @@
 //      (column c's pair at 2c, 2c+1; a zero row pads an odd K), as the bf16 dot instruction reads them
 //      or s8 [ceil(N / 32), K, 32] with f32 scales [K / G, N] (w[k, n] = q[k, n] * scales[k / G, n]) or
 //      [N] (one group, G = K): int8 weights, zero columns padding N up to a panel; each group's sum of
-//      x * q is multiplied by its scales once, at the group's end
+//      x * q is multiplied by its scales once, at the group's end (and, CbjaxPackedMatmulI8Mins, with f32
+//      mins [K / G, N] too: w[k, n] = q[k, n] * scales[k / G, n] + mins[k / G, n])
 //      or u8 [ceil(N / 32), K / 2, 32] with f32 scales and mins [K / G, N] or [ceil(N / 32), K / G, 32]: 4-bit
 //      nibbles (see below)
 //   y  f32 [rows, N]
@@ -409,22 +410,41 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// ---- int8 groups: w[k, n] = q[k, n] * scales[g, n], g = k / G; scales [N] is one group (G = K) ----
+// ---- int8 groups: w[k, n] = q[k, n] * scales[g, n] (+ mins[g, n]), g = k / G; scales [N] is one group (G = K) ----
 // q as int8 panels [ceil(N / 32), K, 32], zero columns padding N up to a panel. Per row and group the
 // kernel sums x_k * q (q widened to f32) in registers and multiplies the sum by the group's scales at its
-// end: y = scales[0] * sum_0, then y = scales[g] * sum_g + y for each further group (one FMA).
+// end: y = scales[0] * sum_0, then y = scales[g] * sum_g + y for each further group (one FMA). With mins
+// [K / G, N] (GGUF's Q5_1 and Q5_K, and fused kernels whose 4-bit parts were widened to int8: gguf_params.py)
+// each group then adds mins * (the group's sum of x), as the 4-bit kernel does.
+
+// Each row's sum of x over each group of G inputs, [rows, K / G], summed in double: the mins' factor.
+std::vector<float> group_sums(const float* x, int64_t rows, int64_t K, int64_t groups) {
+  std::vector<float> sums(rows * groups);
+  const int64_t group = K / groups;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      double sum = 0.0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[r * K + k];
+      sums[r * groups + g] = static_cast<float>(sum);
+    }
+  return sums;
+}
 
 #if defined(__AVX512F__)
 // R rows of x (K apart) times one int8 panel -> R x 32 outputs, the first `width` at y (rows ldy apart),
-// where a group's sums are added at its end. scales point at the panel's first column (groups N apart).
-template <int R>
-void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
-             int64_t ldy, int64_t width) {
+// where a group's sums are added at its end. scales (and mins) point at the panel's first column (groups N
+// apart); x_sums (kMins only) at the first row's group sums (rows `groups` apart).
+template <int R, bool kMins>
+void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const float* scales, const float* mins, float* y,
+             int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   const __mmask16 low = low_mask(width), high = high_mask(width);
   const int8_t* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
-    if (g + kGroupsAhead < groups) prefetch_group_row(scales + (g + kGroupsAhead) * N);
+    if (g + kGroupsAhead < groups) {
+      prefetch_group_row(scales + (g + kGroupsAhead) * N);
+      if constexpr (kMins) prefetch_group_row(mins + (g + kGroupsAhead) * N);
+    }
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel) {
@@ -439,20 +459,28 @@ void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y,
     const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
     for (int r = 0; r < R; ++r) {
       float* out = y + r * ldy;
+      __m512 y0, y1;
       if (g == 0) {
-        _mm512_mask_storeu_ps(out, low, _mm512_mul_ps(acc[r][0], s0));
-        _mm512_mask_storeu_ps(out + 16, high, _mm512_mul_ps(acc[r][1], s1));
+        y0 = _mm512_mul_ps(acc[r][0], s0);
+        y1 = _mm512_mul_ps(acc[r][1], s1);
       } else {
-        _mm512_mask_storeu_ps(out, low, _mm512_fmadd_ps(acc[r][0], s0, _mm512_maskz_loadu_ps(low, out)));
-        _mm512_mask_storeu_ps(out + 16, high, _mm512_fmadd_ps(acc[r][1], s1, _mm512_maskz_loadu_ps(high, out + 16)));
+        y0 = _mm512_fmadd_ps(acc[r][0], s0, _mm512_maskz_loadu_ps(low, out));
+        y1 = _mm512_fmadd_ps(acc[r][1], s1, _mm512_maskz_loadu_ps(high, out + 16));
       }
+      if constexpr (kMins) {
+        const __m512 sum = _mm512_set1_ps(x_sums[r * groups + g]);
+        y0 = _mm512_fmadd_ps(sum, _mm512_maskz_loadu_ps(low, mins + g * N), y0);
+        y1 = _mm512_fmadd_ps(sum, _mm512_maskz_loadu_ps(high, mins + g * N + 16), y1);
+      }
+      _mm512_mask_storeu_ps(out, low, y0);
+      _mm512_mask_storeu_ps(out + 16, high, y1);
     }
   }
 }
 #else
-template <int R>
-void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y, int64_t K, int64_t group, int64_t N,
-             int64_t ldy, int64_t width) {
+template <int R, bool kMins>
+void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const float* scales, const float* mins, float* y,
+             int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
   const int8_t* wp = panel;
@@ -464,15 +492,19 @@ void pass_i8(const float* x, const int8_t* panel, const float* scales, float* y,
         for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * static_cast<float>(wp[c]);
       }
     for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < width; ++c)
+      for (int64_t c = 0; c < width; ++c) {
         total[r][c] = g == 0 ? acc[r][c] * scales[c] : acc[r][c] * scales[g * N + c] + total[r][c];
+        if constexpr (kMins) total[r][c] += x_sums[r * groups + g] * mins[g * N + c];
+      }
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, total[r], width * sizeof(float));
 }
 #endif
 
-ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+// int8 panels with scales [N] or [K / G, N], and with kMins mins [K / G, N] beside them.
+template <bool kMins>
+ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
+                       const ffi::Buffer<ffi::F32>& scales, const float* mins, ffi::ResultBuffer<ffi::F32>& y) {
   const auto sd = scales.dimensions();
   if (sd.size() != 1 && sd.size() != 2)
     return ffi::Error::InvalidArgument("cbjax packed matmul: int8 scales must be [N] or [K / G, N]");
@@ -485,16 +517,33 @@ ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (rows == 0 || N == 0 || K == 0) return ffi::Error::Success();
   const int64_t group = K / groups;
   const float* xp = x.typed_data();
+  // Outlives the helpers' reads: the caller waits for every panel.
+  const std::vector<float> x_sums = kMins ? group_sums(xp, rows, K, groups) : std::vector<float>();
+  const float* xs = x_sums.data();
   const int8_t* q = w.typed_data();
   const float* s = scales.typed_data();
   float* out = y->typed_data();
   cbjax_kernels::share_out(pool, w.dimensions()[0], [=](int64_t p) {
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
     row_passes(rows, [&](int64_t m, auto r) {
-      pass_i8<r.value>(xp + m * K, q + p * K * kPanel, s + c, out + m * N + c, K, group, N, N, width);
+      pass_i8<r.value, kMins>(xp + m * K, kMins ? xs + m * groups : nullptr, q + p * K * kPanel, s + c, kMins ? mins + c : nullptr,
+                              out + m * N + c, K, group, N, N, width);
     });
   });
   return ffi::Error::Success();
+}
+
+ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  return multiply_i8<false>(pool, x, w, scales, nullptr, y);
+}
+
+ffi::Error matmul_i8_mins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  const auto sd = scales.dimensions(), md = mins.dimensions();
+  if (sd.size() != 2 || md.size() != 2 || sd[0] != md[0] || sd[1] != md[1])
+    return ffi::Error::InvalidArgument("cbjax packed matmul: int8 scales and mins must both be [K / G, N]");
+  return multiply_i8<true>(pool, x, w, scales, mins.typed_data(), y);
 }
 
 // ---- 4-bit groups: w[k, n] = scales[g, n] * q[k, n] + mins[g, n], q in 0..15, g = k / G ----
@@ -608,14 +657,8 @@ ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t scale_stride = panel_major ? kPanel : N, panel_scales = panel_major ? groups * kPanel : kPanel;
   const int64_t rows = K == 0 ? 0 : x.element_count() / K, group = K / groups;
   if (rows == 0 || N == 0) return ffi::Error::Success();
-  std::vector<float> x_sums(rows * groups);  // outlives the helpers' reads: the caller waits for every panel
   const float* xp = x.typed_data();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      double sum = 0.0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xp[r * K + k];
-      x_sums[r * groups + g] = static_cast<float>(sum);
-    }
+  const std::vector<float> x_sums = group_sums(xp, rows, K, groups);  // outlives the helpers' reads: the caller waits
   const uint8_t* q = w.typed_data();
   const float *s = scales.typed_data(), *m = mins.typed_data(), *xs = x_sums.data();
   float* out = y->typed_data();
@@ -653,6 +696,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8, matmul_i8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8Mins, matmul_i8_mins,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulQ4, matmul_q4,

@@ -9,7 +9,9 @@ weight-only scheme is the same.
 
 int8 weights may also carry one scale per group of G consecutive inputs: scales [K / G, N] with
 w[k, n] = q[k, n] * scales[k // G, n] (GGUF's Q8_0 is G = 32; Q6_K's 6-bit values with their
-16-input sub-block scales fit it at G = 16). The per-column form is the one-group case, G = K.
+16-input sub-block scales fit it at G = 16). The per-column form is the one-group case, G = K. Grouped
+int8 weights may carry mins [K / G, N] too, w[k, n] = q[k, n] * scales[k // G, n] + mins[k // G, n]: GGUF's
+5-bit types with a minimum (Q5_1, Q5_K) and fused kernels whose parts differ in type (checkpoint/gguf_params.py).
 """
 
 from __future__ import annotations
@@ -47,15 +49,18 @@ def check_int8_groups(k: int, groups: int) -> None:
 
 
 def int8_matmul(
-    x: Float[Array, "*rows k"], q: Int8[Array, "k n"], scales: Float[Array, "*g n"]
+    x: Float[Array, "*rows k"], q: Int8[Array, "k n"], scales: Float[Array, "*g n"], mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
-    """x @ (q * scales), accumulated in float32 (any platform). Scales [N]: (x @ q) * scales. Scales
+    """x @ (q * scales (+ mins)), accumulated in float32 (any platform). Scales [N]: (x @ q) * scales. Scales
     [K / G, N]: each group's sum of x * q times that group's scales, added over the groups, as the C++
-    kernel sums them (quant4.int4_matmul's form, without the mins)."""
-    if q.ndim != 2 or q.dtype != jnp.int8 or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1] or x.shape[-1] != q.shape[0]:
+    kernel sums them; with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K) plus each
+    group's sum of x times its mins (quant4.int4_matmul's form)."""
+    if (q.ndim != 2 or q.dtype != jnp.int8 or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
+            or x.shape[-1] != q.shape[0] or (mins is not None and (scales.ndim != 2 or mins.shape != scales.shape))):
         raise ValueError(
             f"int8_matmul: x {x.shape} does not match an int8 weight {q.dtype} {q.shape} with scales {scales.shape} "
-            f"(int8 [K, N], float32 [N] or [K / G, N], x [..., K])"
+            f"and mins {None if mins is None else mins.shape} (int8 [K, N], float32 scales [N] or [K / G, N], "
+            f"mins only beside [K / G, N] scales and of their shape, x [..., K])"
         )
     if scales.ndim == 1:
         y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -65,4 +70,5 @@ def int8_matmul(
     x_groups = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, k // groups)
     sums = jnp.einsum("...gk,gkn->...gn", x_groups, q.reshape(groups, k // groups, n).astype(jnp.float32),
                       preferred_element_type=jnp.float32)
-    return (sums * scales.astype(jnp.float32)).sum(axis=-2)
+    y = (sums * scales.astype(jnp.float32)).sum(axis=-2)
+    return y if mins is None else y + x_groups.sum(axis=-1) @ mins.astype(jnp.float32)

@@ -36,6 +36,7 @@ SYMBOLS = (
     "CbjaxPackedMatmulF32",
     "CbjaxPackedMatmulBF16",
     "CbjaxPackedMatmulI8",
+    "CbjaxPackedMatmulI8Mins",
     "CbjaxPackedMatmulQ4",
 )
 

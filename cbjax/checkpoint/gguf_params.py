@@ -1,14 +1,15 @@
 """A GGUF file's tensors as the model's parameters, kept as stored where the engine has a kernel for them.
 
 Decoder projections, the token embedding and the LM head in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel`
-nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0, Q6_K or Q5_0
-they stay int8: `...kernel` int8 [in, out] with `...scales` [in / G, out], G 32 or 16 (gguf_q8.py). Both are
-the file's own bits, which the packed C++ matmul or its jnp form multiply. The embedding is kept as its LM
-head's kernel, [hidden, vocab] (`model.embed_tokens.embedding`, with scales beside it): one copy is the tied
-head's weight, and the embedding gather dequantizes only the rows it takes (models/layers/embedding.py).
-Every other tensor (F16, the norms, a fused kernel whose parts differ in form) is dequantized to the
-model's dtype at load, and one log line says which. The names, Q/K row order and checks are the
-importer's (gguf_import.py), so both read a file the same way.
+nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0, Q6_K, Q5_0,
+Q5_1 or Q5_K they stay int8: `...kernel` int8 [in, out] with `...scales` [in / G, out], G 32 or 16, and
+`...mins` beside them for Q5_1 and Q5_K (gguf_q8.py). A fused kernel whose parts differ in type is held in the
+int8 form that holds each part exactly (gguf_forms.py). All are the file's own integers, which the packed C++
+matmul or its jnp form multiply. The embedding is kept as its LM head's kernel, [hidden, vocab]
+(`model.embed_tokens.embedding`, with scales beside it): one copy is the tied head's weight, and the embedding
+gather dequantizes only the rows it takes (models/layers/embedding.py). Every other tensor (F16, the norms, a
+fused kernel with a part in another type) is dequantized to the model's dtype at load, and one log line says
+which. The names, Q/K row order and checks are the importer's (gguf_import.py), so both read a file the same way.
 """
 
 from __future__ import annotations
@@ -24,19 +25,13 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from cbjax.checkpoint.gguf_import import gguf_names, hf_tensor_name, rope_heads, unpermute_rope_rows
-from cbjax.checkpoint.gguf_q4 import GROUP as Q4_GROUP
-from cbjax.checkpoint.gguf_q4 import STORED_TYPES as Q4_TYPES
-from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
-from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
+from cbjax.checkpoint.gguf_forms import STORED_FORMS, Form, common_form, leaves, stored_arrays
 from cbjax.checkpoint.params import check_params, expected_params, hf_to_params
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import FUSED_PROJECTIONS, is_head_or_embedding, is_quantized_projection
 from cbjax.models.registry import GGUFNames, architecture
 
 logger = logging.getLogger(__name__)
-
-# Each type kept as stored -> its form (bits, group size): a fused kernel's parts must share one.
-STORED_FORMS = {**{qtype: (4, Q4_GROUP) for qtype in Q4_TYPES}, **{qtype: (8, group) for qtype, group in INT8_GROUPS.items()}}
 
 
 def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
@@ -57,11 +52,8 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
             name, (out, k) = slots[tensor.name], shape
             prefix = name[: name.rindex(".") + 1]
             order = None if heads is None else unpermute_rope_rows(np.arange(out), heads)
-            if tensor.tensor_type in Q4_TYPES:
-                params[name], params[prefix + "scales"], params[prefix + "mins"] = gguf_q4_kernel(
-                    tensor.data, tensor.tensor_type, k, order)
-            else:
-                params[name], params[prefix + "scales"] = gguf_int8_kernel(tensor.data, tensor.tensor_type, k, order)
+            arrays = stored_arrays(tensor.data, tensor.tensor_type, k, stored[tensor.name], order)
+            params.update({name if leaf == "kernel" else prefix + leaf: array for leaf, array in arrays.items()})
             logical[name] = (shape if name.endswith(".embedding") else (k, out), jnp.dtype(dtype))
             kept[tensor.tensor_type.name] += 1
             continue
@@ -91,11 +83,11 @@ def gguf_stored_shapes(gguf_path: str | Path, config: ModelConfig, dtype: str | 
             name = slots[tensor.name]
             out, k = (int(d) for d in reversed(tensor.shape))
             del shapes[name]  # the float tensor it stands for, replaced by the leaves it is kept as
-            bits, group = STORED_FORMS[tensor.tensor_type]
-            kernel = ((k // 2, out), jnp.uint8) if bits == 4 else ((k, out), jnp.int8)
-            leaves = {name: kernel, **{name[: name.rindex(".") + 1] + leaf: ((k // group, out), jnp.float32)
-                                       for leaf in (("scales", "mins") if bits == 4 else ("scales",))}}
-            shapes.update({leaf: jax.ShapeDtypeStruct(*form) for leaf, form in leaves.items()})
+            form = stored[tensor.name]
+            kernel = ((k // 2, out), jnp.uint8) if form.bits == 4 else ((k, out), jnp.int8)
+            shapes[name] = jax.ShapeDtypeStruct(*kernel)
+            shapes.update({name[: name.rindex(".") + 1] + leaf: jax.ShapeDtypeStruct((k // form.group, out), jnp.float32)
+                           for leaf in leaves(form)})
     return shapes
 
 
@@ -120,15 +112,16 @@ def _dequantized(tensor, gguf_path: str | Path) -> np.ndarray:
 
 
 def _tensor_forms(reader: GGUFReader, gguf_path: str | Path, config: ModelConfig,
-                  tensor_parallel: bool) -> tuple[GGUFNames, dict[str, str | None], set[str]]:
-    """The file's tensor names (gguf_names), our parameter name for each of its tensors, and the GGUF names of
-    those kept as stored (under `tensor_parallel` not the embedding and head: the vocabulary split takes floats)."""
+                  tensor_parallel: bool) -> tuple[GGUFNames, dict[str, str | None], dict[str, Form]]:
+    """The file's tensor names (gguf_names), our parameter name for each of its tensors, and the form of each
+    kept as stored, by GGUF name (under `tensor_parallel` not the embedding and head: the vocabulary split
+    takes floats)."""
     architecture_field = reader.fields.get("general.architecture")  # the only key needed: the rest is the tokenizer's
     names = gguf_names({"general.architecture": architecture_field and architecture_field.contents()}, gguf_path)
     slots = {tensor.name: _our_name(hf_tensor_name(tensor.name, names), config) for tensor in reader.tensors}
     stored = _kept_as_stored({tensor.name: tensor.tensor_type for tensor in reader.tensors}, slots)
     if tensor_parallel:
-        stored = {gguf for gguf in stored if not is_head_or_embedding(slots[gguf])}
+        stored = {gguf: form for gguf, form in stored.items() if not is_head_or_embedding(slots[gguf])}
     return names, slots, stored
 
 
@@ -137,18 +130,18 @@ def _our_name(hf_name: str, config: ModelConfig) -> str | None:
     return None if slot is None else slot[0]
 
 
-def _kept_as_stored(types: dict, slots: dict[str, str | None]) -> set[str]:
-    """The GGUF names of the tensors kept as stored: decoder projections, the embedding and the LM head in a
-    type of STORED_FORMS, a projection only where its fused partners (q/k/v, gate/up: one kernel on one
-    device) are stored in the same form (bits and group size), since a fused kernel has one form."""
+def _kept_as_stored(types: dict, slots: dict[str, str | None]) -> dict[str, Form]:
+    """The GGUF names of the tensors kept as stored, each with the form it is held in: decoder projections, the
+    embedding and the LM head in a type of STORED_FORMS, a projection only where its fused partners (q/k/v,
+    gate/up: one kernel on one device) are stored too, in their kernel's common_form."""
     candidates = {gguf: ours for gguf, ours in slots.items() if ours is not None and types[gguf] in STORED_FORMS
                   and (is_quantized_projection(ours, (0, 0)) or is_head_or_embedding(ours))}
-    form = {ours: STORED_FORMS[types[gguf]] for gguf, ours in candidates.items()}
-    kept = set(candidates.values())
-    for ours in candidates.values():
+    own = {ours: STORED_FORMS[types[gguf]] for gguf, ours in candidates.items()}
+    form = dict(own)
+    for ours in own:
         layer = ".".join(ours.split(".")[:3])  # model.layers.N
         for parts in FUSED_PROJECTIONS.values():
-            group = {f"{layer}.{part}.kernel" for part in parts}
-            if ours in group and not (group <= set(form) and len({form[part] for part in group}) == 1):
-                kept -= group
-    return {gguf for gguf, ours in candidates.items() if ours in kept}
+            group = [f"{layer}.{part}.kernel" for part in parts]
+            if ours in group:
+                form[ours] = common_form([own[part] for part in group]) if set(group) <= set(own) else None
+    return {gguf: form[ours] for gguf, ours in candidates.items() if form[ours] is not None}

@@ -16,8 +16,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K
 from jaxtyping import Float, UInt8
 
-from kernels_cpu.quant4 import pack_nibbles
-
 GROUP = 32  # every 4-bit GGUF type scales groups of 32 inputs
 STORED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 
@@ -48,13 +46,3 @@ def gguf_q4_groups(
     else:
         raise ValueError(f"GGUF type {qtype.name} is not 4-bit; stored as 4-bit are {[t.name for t in STORED_TYPES]}")
     return q.reshape(rows, k), scales.reshape(rows, k // GROUP), mins.reshape(rows, k // GROUP)
-
-
-def gguf_q4_kernel(
-    data: UInt8[np.ndarray, "out nbytes"], qtype: GGMLQuantizationType, k: int, column_order: np.ndarray | None = None,
-) -> tuple[UInt8[np.ndarray, "k2 out"], Float[np.ndarray, "groups out"], Float[np.ndarray, "groups out"]]:
-    """A 4-bit GGUF projection [out, k] as an [in, out] kernel's nibbles [k / 2, out] and scales, mins
-    [k / 32, out]; `column_order` reorders the output columns (llama.cpp's Q/K rope rows)."""
-    q, scales, mins = gguf_q4_groups(data, qtype, k)
-    order = slice(None) if column_order is None else column_order
-    return pack_nibbles(q[order].T), np.ascontiguousarray(scales[order].T), np.ascontiguousarray(mins[order].T)

@@ -23,9 +23,8 @@ from tokenizers import Tokenizer
 from cbjax import LLM, SamplingParams
 from cbjax.checkpoint.convert import convert_checkpoint
 from cbjax.checkpoint.gguf_import import GGUF_FILE, import_gguf, write_as_stored_dir
+from cbjax.checkpoint.gguf_forms import STORED_FORMS, Form, stored_arrays
 from cbjax.checkpoint.gguf_params import _kept_as_stored, gguf_stored_shapes, read_gguf_params
-from cbjax.checkpoint.gguf_q4 import gguf_q4_kernel
-from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, gguf_int8_kernel
 from cbjax.checkpoint.loader import load_model
 from cbjax.entrypoints.cli.main import main
 from cbjax.entrypoints.demo import PLAIN_PROMPTS
@@ -38,6 +37,11 @@ SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smol
 # q/k/v and gate/up 4-bit (each fused kernel one form, types mixed inside one), o_proj 4-bit; the rest as before.
 AS_STORED_TYPES = {**QUANT_TYPES, "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q4_0,
                    "attn_output.weight": Q.Q5_0, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
+
+# llama.cpp's Q5_K_M where 256 does not divide a row: Q5_1 (int8 with mins) everywhere but v (Q8_0), so q/k/v is
+# held in their common int8 form with mins; gate 4-bit beside an int8 up likewise; a Q5_1 embedding-head.
+MIXED_TYPES = {"token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q5_1, "attn_k.weight": Q.Q5_1, "attn_v.weight": Q.Q8_0,
+               "attn_output.weight": Q.Q5_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q5_1}
 
 
 def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
@@ -56,50 +60,102 @@ def q6_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def q5_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q5_K rows (the gguf package has no Q5_K quantizer), laid out as ggml's block_q5_K: any bytes are a
+    valid block once its two float16 factors d and dmin (its first 4 bytes) are finite."""
+    blocks = rng.integers(0, 256, (rows * k // 256, 176), dtype=np.uint8)
+    blocks[:, 0:4] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+RANDOM_BLOCKS = {Q.Q4_K: q4_k_blocks, Q.Q6_K: q6_k_blocks, Q.Q5_K: q5_k_blocks}
+
+
+def random_tensor(rng: np.random.Generator, qtype: Q, out: int, k: int) -> np.ndarray:
+    """A random [out, k] tensor of `qtype`: the gguf package's quantizer where it has one, else random blocks."""
+    if qtype in RANDOM_BLOCKS:
+        return RANDOM_BLOCKS[qtype](rng, out, k)
+    return quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
+
+
+def held_weight(arrays: dict[str, np.ndarray], form: Form) -> np.ndarray:
+    """The float64 [in, out] weight that stored_arrays' kernel, scales and mins stand for."""
+    if form.bits == 4:
+        return dequantize_int4(arrays["kernel"], arrays["scales"], arrays["mins"])
+    weight = arrays["kernel"].astype(np.float64) * np.repeat(arrays["scales"].astype(np.float64), form.group, axis=0)
+    return weight + (np.repeat(arrays["mins"].astype(np.float64), form.group, axis=0) if form.mins else 0)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0])
 def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
-    data = q6_k_blocks(rng, out, k) if qtype == Q.Q6_K else quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
+    data = random_tensor(rng, qtype, out, k)
     reference = dequantize(data, qtype).reshape(out, k).T  # [in, out], as our kernels are
     order = rng.permutation(out)
-    q, scales = gguf_int8_kernel(data, qtype, k, order)
-    group = INT8_GROUPS[qtype]
-    assert q.shape == (k, out) and q.dtype == np.int8 and scales.shape == (k // group, out) and scales.dtype == np.float32
+    form = STORED_FORMS[qtype]
+    arrays = stored_arrays(data, qtype, k, form, order)
+    q, scales = arrays["kernel"], arrays["scales"]
+    assert set(arrays) == {"kernel", "scales"} and form.bits == 8
+    assert q.shape == (k, out) and q.dtype == np.int8 and scales.shape == (k // form.group, out) and scales.dtype == np.float32
     # both are the float32 product of the same q and (d, or d * sc_j formed in float32) scale
-    np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, axis=0), reference[:, order])
+    np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, form.group, axis=0), reference[:, order])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
-def test_4bit_tensors_repack_to_what_ggufs_dequantizer_reads(qtype):
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K])
+def test_tensors_with_mins_repack_to_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
-    data = q4_k_blocks(rng, out, k) if qtype == Q.Q4_K else quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
+    data = random_tensor(rng, qtype, out, k)
     reference = dequantize(data, qtype).reshape(out, k).T.astype(np.float64)  # [in, out], as our kernels are
     order = rng.permutation(out)
-    nibbles, scales, mins = gguf_q4_kernel(data, qtype, k, order)
-    assert nibbles.shape == (k // 2, out) and nibbles.dtype == np.uint8 and scales.shape == mins.shape == (k // 32, out)
-    # gguf rounds d * q (float32) once; the 4-bit form is exact in float64
-    np.testing.assert_allclose(dequantize_int4(nibbles, scales, mins), reference[:, order], rtol=2**-23, atol=1e-30)
+    form = STORED_FORMS[qtype]
+    arrays = stored_arrays(data, qtype, k, form, order)
+    kernel_shape = (k // 2, out) if form.bits == 4 else (k, out)
+    assert form.mins and arrays["kernel"].shape == kernel_shape and arrays["scales"].shape == arrays["mins"].shape == (k // 32, out)
+    assert arrays["kernel"].dtype == (np.uint8 if form.bits == 4 else np.int8)
+    # gguf rounds d * q (+ m) in float32; the form is exact in float64
+    np.testing.assert_allclose(held_weight(arrays, form), reference[:, order], rtol=2**-23, atol=1e-30)
 
 
-def test_a_fused_kernel_stays_quantized_only_if_all_its_parts_share_one_form():
-    """q/k/v (and gate/up) become one kernel with one form: a float k_proj makes its q and v dequantized too,
-    and so do parts of different forms (Q8_0's int8 groups of 32 beside Q6_K's of 16, int8 beside 4-bit)."""
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K])
+@pytest.mark.parametrize("form", [Form(8, 16, True), Form(8, 32, True)], ids=["int8-g16-mins", "int8-g32-mins"])
+def test_a_part_held_in_a_fused_kernels_common_int8_form_is_the_same_weight(qtype, form):
+    """A 4-bit or int8 part widened to int8, its groups cut to 16 and its mins zero where it has none: the same
+    float64 weight as in its own form (the arrays are the file's integers and factors, moved)."""
+    rng = np.random.default_rng()
+    out, k = 24, 512
+    data = random_tensor(rng, qtype, out, k)
+    own, common = (stored_arrays(data, qtype, k, f) for f in (STORED_FORMS[qtype], form))
+    assert common["kernel"].dtype == np.int8 and common["mins"].shape == common["scales"].shape == (k // form.group, out)
+    np.testing.assert_array_equal(held_weight(common, form), held_weight(own, STORED_FORMS[qtype]))
+
+
+def test_a_fused_kernel_stays_quantized_if_all_its_parts_do_in_one_form_that_holds_each():
+    """q/k/v (and gate/up) become one kernel with one form: a float k_proj makes its q and v dequantized too;
+    parts of one form keep it; parts of different forms share int8 in the largest group dividing theirs, with
+    mins where any part has them."""
     slots = {"embd": "model.embed_tokens.embedding", "head": "lm_head.kernel", "norm": "model.norm.scale"}
-    for layer in (0, 1, 2):
+    for layer in range(5):
         slots.update({f"{part}{layer}": f"model.layers.{layer}.{kind}.{part}_proj.kernel"
                       for kind, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up"))) for part in parts})
     types = {"embd": Q.Q8_0, "head": Q.Q6_K, "norm": Q.F32,
              "q0": Q.Q4_0, "k0": Q.F16, "v0": Q.Q4_K, "o0": Q.Q4_1, "gate0": Q.Q4_K, "up0": Q.Q4_0,
              "q1": Q.Q8_0, "k1": Q.Q8_0, "v1": Q.Q8_0, "o1": Q.Q6_K, "gate1": Q.Q8_0, "up1": Q.Q6_K,
              "q2": Q.Q6_K, "k2": Q.Q6_K, "v2": Q.Q6_K, "o2": Q.Q8_0, "gate2": Q.Q4_0, "up2": Q.Q8_0,
-             # llama.cpp's Q4_K_M where 256 does not divide a row: Q5_0 (int8 groups of 32) beside Q8_0 fuses
-             "q3": Q.Q5_0, "k3": Q.Q5_0, "v3": Q.Q8_0, "o3": Q.Q5_0, "gate3": Q.Q5_0, "up3": Q.Q6_K}
-    slots.update({f"{part}3": f"model.layers.3.{kind}.{part}_proj.kernel"
-                  for kind, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up"))) for part in parts})
-    assert _kept_as_stored(types, slots) == {"embd", "head", "o0", "gate0", "up0", "q1", "k1", "v1", "o1", "q2", "k2", "v2",
-                                             "o2", "q3", "k3", "v3", "o3"}
+             # llama.cpp's Q4_K_M where 256 does not divide a row: Q5_0 beside Q8_0, both int8 groups of 32
+             "q3": Q.Q5_0, "k3": Q.Q5_0, "v3": Q.Q8_0, "o3": Q.Q5_0, "gate3": Q.Q5_0, "up3": Q.Q6_K,
+             # its Q5_K_M there: Q5_1 q/k beside a Q8_0 v; a 7B's Q4_K_M: Q4_K q/k beside a Q6_K v
+             "q4": Q.Q5_1, "k4": Q.Q5_1, "v4": Q.Q8_0, "o4": Q.Q5_K, "gate4": Q.Q4_K, "up4": Q.Q6_K}
+    kept = _kept_as_stored(types, slots)
+    assert set(kept) == set(types) - {"norm", "q0", "k0", "v0"}
+    int8 = lambda group, mins: Form(8, group, mins)  # noqa: E731
+    assert kept["o0"] == kept["gate0"] == kept["up0"] == Form(4, 32, True) and kept["gate4"] == int8(16, True)
+    assert kept["q1"] == kept["v1"] == int8(32, False) and kept["gate1"] == kept["up1"] == int8(16, False)
+    assert kept["q2"] == int8(16, False) and kept["gate2"] == kept["up2"] == int8(32, True)
+    assert kept["q3"] == kept["v3"] == kept["o3"] == int8(32, False) and kept["up3"] == int8(16, False)
+    assert kept["q4"] == kept["v4"] == kept["o4"] == int8(32, True) and kept["up4"] == int8(16, True)
+    assert kept["head"] == int8(16, False) and kept["embd"] == int8(32, False)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +165,30 @@ def tiny_gguf(tmp_path_factory):
     write_tiny_llama_gguf(root / "tiny.gguf", quant_types=AS_STORED_TYPES)
     return (write_as_stored_dir(root / "tiny.gguf", root / "stored"),
             convert_checkpoint(import_gguf(root / "tiny.gguf", root / "hf"), root / "float"))
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed_gguf(tmp_path_factory):
+    """tiny_gguf's pair for a file of MIXED_TYPES."""
+    root = tmp_path_factory.mktemp("as_stored_mixed")
+    write_tiny_llama_gguf(root / "tiny.gguf", quant_types=MIXED_TYPES)
+    return (write_as_stored_dir(root / "tiny.gguf", root / "stored"),
+            convert_checkpoint(import_gguf(root / "tiny.gguf", root / "hf"), root / "float"))
+
+
+def assert_the_float_imports_logits(stored: Path, imported: Path, packed: nnx.Module) -> None:
+    """The model loaded as stored, packed for the C++ kernels (`packed`) and unpacked (the jnp path: GPUs,
+    cpu_packed_weights=False), gives the float32 import's logits over 30 random tokens."""
+    unpacked, _ = load_model(stored, fused_projections=True)
+    reference, _ = load_model(imported, pack_for_cpu=True, fused_projections=True)
+    tokens = list(np.random.default_rng(3).integers(3, 250, 30))
+    want = forward_logits(reference, tokens, "cpp")
+    for model in (packed, unpacked):
+        got = forward_logits(model, tokens, "cpp")
+        # float32 sums in another order, through layers of N(0, 1) weights: ~3e-5 of the largest logit; a wrong
+        # nibble, group or row order is off by whole units
+        np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
@@ -126,16 +206,24 @@ def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
     assert qkv.scales[...].shape == qkv.mins[...].shape == (qkv.kernel.shape[0], 2 * qkv.kernel.shape[1] // 32, 32)
     assert layer.mlp.down_proj.scales[...].ndim == 2
     assert packed.model.embed_tokens.embedding[...].dtype == np.int8  # the tied head's kernel, in int8 panels
-    unpacked, _ = load_model(stored, fused_projections=True)  # the jnp path (GPUs, cpu_packed_weights=False)
-    reference, _ = load_model(imported, pack_for_cpu=True, fused_projections=True)
-    tokens = list(np.random.default_rng(3).integers(3, 250, 30))
-    want = forward_logits(reference, tokens, "cpp")
-    for model in (packed, unpacked):
-        got = forward_logits(model, tokens, "cpp")
-        # float32 sums in another order, through layers of N(0, 1) weights: ~3e-5 of the largest logit; a wrong
-        # nibble, group or row order is off by whole units
-        np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
-        assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert_the_float_imports_logits(stored, imported, packed)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
+def test_tiny_gguf_with_mins_and_mixed_fused_kernels_as_stored_gives_the_float_imports_logits(tiny_mixed_gguf, caplog):
+    """Every projection and the embedding-head of MIXED_TYPES kept as stored: Q5_1 as int8 with mins, q/k/v and
+    gate/up (parts of different types) in one int8 form with mins each."""
+    stored, imported = tiny_mixed_gguf
+    with caplog.at_level(logging.INFO, logger="cbjax.checkpoint.gguf_params"):
+        packed, _ = load_model(stored, pack_for_cpu=True, fused_projections=True)
+    assert ("15 tensors kept quantized (9 Q5_1, 4 Q8_0, 2 Q4_1); dequantized to float32 at load: 5 F32 ("
+            in caplog.text)
+    for layer in packed.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert module.kernel[...].dtype == np.int8 and module.mins[...].shape == module.scales[...].shape
+    embed = packed.model.embed_tokens
+    assert embed.embedding[...].dtype == np.int8 and embed.mins[...].shape == embed.scales[...].shape
+    assert_the_float_imports_logits(stored, imported, packed)
 
 
 def test_llm_serves_a_gguf_file_with_its_own_tokenizer_as_transformers_serves_its_import(

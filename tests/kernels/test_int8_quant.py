@@ -82,13 +82,16 @@ def test_already_quantized_and_unknown_names_are_refused():
         int8_matmul(jnp.ones((1, 8)), jnp.ones((4, 4), jnp.int8), jnp.ones(4))
     with pytest.raises(ValueError, match="3 groups, and 3 does not divide the weight's input dim K=8"):
         int8_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), jnp.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"and mins \(4,\) .*mins only beside \[K / G, N\] scales"):
+        int8_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), jnp.ones(4), jnp.ones(4))
 
 
-@pytest.mark.parametrize("scales_shape", [(96,), (4, 96)], ids=["per-column", "groups-of-32"])
-def test_int8_matmul_lowers_for_cuda_with_int8_weights(scales_shape):
+@pytest.mark.parametrize("scales_shape,with_mins", [((96,), False), ((4, 96), False), ((4, 96), True)],
+                         ids=["per-column", "groups-of-32", "groups-of-32-with-mins"])
+def test_int8_matmul_lowers_for_cuda_with_int8_weights(scales_shape, with_mins):
     x = jax.ShapeDtypeStruct((8, 128), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((128, 96), jnp.int8)
     s = jax.ShapeDtypeStruct(scales_shape, jnp.float32)
     with lowering_target("cuda"):
-        text = jax.jit(int8_matmul).trace(x, q, s).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(int8_matmul).trace(x, q, s, *[s] * with_mins).lower(lowering_platforms=("cuda",)).as_text()
     assert "tensor<128x96xi8>" in text  # the weight crosses into the step as int8, not a float copy

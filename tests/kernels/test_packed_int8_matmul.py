@@ -6,7 +6,10 @@ scale multiply rounds once more, so (K + 2) * 2^-24 * (|x| @ |w|). Per group: a 
 most (G + 1) * 2^-24 of its sum|x q| (+1: the reference's dot may round each product), its scale multiply
 rounds once and adding the groups `groups` - 1 times more, so (G + groups + 2) * 2^-24 * (|x| @ |w|).
 Sizes cover rows 0, 1, one short of, at and past a pass of rows, 16 and 64 (passes of 8 rows over each
-panel), K of 1 and odd, K = G and G of 16, 32, 96, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's)."""
+panel), K of 1 and odd, K = G and G of 16, 32, 96, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's).
+With mins [K / G, N] (CbjaxPackedMatmulI8Mins: w = q * scales + mins per group) each group adds its sum of x
+(summed in double, rounded once) times its mins in one more FMA: two more roundings of terms no larger than
+|x| @ |mins|, so the bound is taken over |q * scales| + |mins| with (G + groups + 4) * 2^-24."""
 
 from __future__ import annotations
 
@@ -47,6 +50,18 @@ def int8_group_product(rng: np.random.Generator, rows: int | tuple[int, ...], k:
     return x, q, scales, x.astype(np.float64) @ w, bound
 
 
+def int8_mins_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, group: int, n: int):
+    """x, random int8 q of 0..31 (a 5-bit GGUF block's integers), group scales and mins [K / G, N] of either sign,
+    x @ (q * scales + mins) in float64 and its error bound."""
+    x = rng.standard_normal((*np.atleast_1d(rows), k)).astype(np.float32)
+    q = rng.integers(0, 32, (k, n)).astype(np.int8)
+    scales, mins = (rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) for _ in range(2))
+    scaled, offsets = (q.astype(np.float64) * np.repeat(scales.astype(np.float64), group, 0),
+                       np.repeat(mins.astype(np.float64), group, 0))
+    bound = (group + k // group + 4) * 2.0**-24 * (np.abs(x) @ (np.abs(scaled) + np.abs(offsets))) + 1e-30
+    return x, q, scales, mins, x.astype(np.float64) @ (scaled + offsets), bound
+
+
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_int8_kernel_and_its_reference_match_float64_within_the_derived_bound(rows, k, n):
     x, q, scales, expected, bound = int8_product(np.random.default_rng(), rows, k, n)
@@ -66,6 +81,24 @@ def test_int8_group_kernel_and_its_references_match_float64_within_the_derived_b
         assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
 
 
+@pytest.mark.parametrize("rows,k,group,n", GROUP_SHAPES)
+def test_int8_kernel_with_mins_and_its_references_match_float64_within_the_derived_bound(rows, k, group, n):
+    x, q, scales, mins, expected, bound = int8_mins_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(q)
+    for out in (kernel(x, packed, scales, mins), packed_matmul_reference(x, packed, scales, mins),
+                jax.jit(int8_matmul)(x, q, scales, mins)):
+        out = np.asarray(out, np.float64)
+        assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+def test_zero_mins_add_exact_zeros_to_the_int8_kernels_sums():
+    """Mins of zero change nothing: the sums with them are the sums without, bit for bit (x * 0 + y is y)."""
+    x, q, scales, _, _ = int8_group_product(np.random.default_rng(), 19, 96, 32, 40)
+    packed = pack_weight(q)
+    np.testing.assert_array_equal(np.asarray(kernel(x, packed, scales, np.zeros_like(scales))),
+                                  np.asarray(kernel(x, packed, scales)))
+
+
 def test_per_column_scales_are_the_one_group_case_bit_for_bit():
     """scales [N] and the same scales as [1, N] run the same sums: equal bits, at one row and many."""
     x, q, scales, _, _ = int8_product(np.random.default_rng(), 19, 96, 40)
@@ -75,22 +108,26 @@ def test_per_column_scales_are_the_one_group_case_bit_for_bit():
                                       np.asarray(kernel(x[:rows], packed, scales[None])))
 
 
-@pytest.mark.parametrize("group", [None, 32, 96], ids=["per-column", "groups-of-32", "groups-of-96"])
-def test_each_row_is_the_same_sum_whatever_the_batch(group):
+@pytest.mark.parametrize("group,with_mins", [(None, False), (32, False), (96, False), (32, True)],
+                         ids=["per-column", "groups-of-32", "groups-of-96", "groups-of-32-with-mins"])
+def test_each_row_is_the_same_sum_whatever_the_batch(group, with_mins):
     """A request's product does not depend on how many rows share its step or where it sits: each row of a
     64-row call (eight passes of 8 rows over each panel) equals, bit for bit, that row alone (a pass of one
     row) and that row at the head of a shorter batch (whose passes start elsewhere)."""
     rng = np.random.default_rng()
+    mins = ()
     if group is None:
         x, q, scales, _, _ = int8_product(rng, 64, 384, 100)
+    elif with_mins:
+        x, q, scales, *mins, _, _ = int8_mins_product(rng, 64, 384, group, 100)
     else:
         x, q, scales, _, _ = int8_group_product(rng, 64, 384, group, 100)
     packed = pack_weight(q)
-    whole = np.asarray(kernel(x, packed, scales))
-    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales))[0] for row in range(64)])
+    whole = np.asarray(kernel(x, packed, scales, *mins))
+    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales, *mins))[0] for row in range(64)])
     np.testing.assert_array_equal(alone, whole)
     for row in (7, 8, 18, 47):
-        np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed, scales))[0], whole[row])
+        np.testing.assert_array_equal(np.asarray(kernel(x[row:], packed, scales, *mins))[0], whole[row])
 
 
 def test_int8_packing_pads_the_last_panel_and_mismatched_scales_are_refused():
@@ -106,6 +143,10 @@ def test_int8_packing_pads_the_last_panel_and_mismatched_scales_are_refused():
         packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed))
     with pytest.raises(ValueError, match=r"with scales \(1, 2, 35\)"):
         packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed), jnp.ones((1, 2, 35)))
+    with pytest.raises(ValueError, match=r"with scales \(35,\) and mins \(35,\)"):  # mins need grouped scales
+        packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed), jnp.ones(35), jnp.zeros(35))
+    with pytest.raises(ValueError, match=r"with scales \(1, 35\) and mins \(2, 35\)"):
+        packed_matmul_cpu(jnp.zeros((1, 2)), jnp.asarray(packed), jnp.ones((1, 35)), jnp.zeros((2, 35)))
 
 
 def test_a_group_count_that_does_not_divide_k_is_refused_naming_both():

@@ -115,21 +115,21 @@ def test_int4_weights_split_with_their_group_scales_give_tp1_logits(findings):
 
 
 def test_gguf_as_stored_splits_its_4bit_projections_and_gives_tp1_logits(findings):
-    """A tiny GGUF served as stored (Q4_0/Q4_1 q/k/v, gate/up kept 4-bit in groups of 32; o Q5_0 kept as int8
-    groups of 32, each device's 32 input rows one group; down_proj F16; the Q8_0 embedding dequantized, as under
-    TP the vocabulary split takes a float table) at TP=2 gives its TP=1 logits (which equal its float import's:
-    test_gguf_as_stored.py). Hidden 64, intermediate 96, 4 heads of 16, 2 KV heads."""
+    """A tiny GGUF served as stored (gate/up Q4_1/Q4_0 kept 4-bit in groups of 32; q/k Q4_0/Q4_1 beside a Q8_0 v,
+    and o Q5_1, kept as int8 groups of 32 with mins, o's each device's 32 input rows one group; down_proj F16;
+    the Q8_0 embedding dequantized, as under TP the vocabulary split takes a float table) at TP=2 gives its TP=1
+    logits (which equal its float import's: test_gguf_as_stored.py). Hidden 64, intermediate 96, 4 heads of 16,
+    2 KV heads."""
     runs = findings["gguf_logits"]
     want = np.array(runs["1"]["logits"])
     np.testing.assert_allclose(np.array(runs["2"]["logits"]), want, atol=1e-5 * np.abs(want).max(), rtol=0)
     weights = {name.removeprefix("model.layers.0."): w for name, w in runs["2"]["weights"].items()}
-    want_shards = {"self_attn.q_proj": ([2, 32], [32, 32]), "mlp.gate_proj": ([2, 48], [32, 48])}
-    for module, (groups, kernel) in want_shards.items():
-        assert weights[f"{module}.kernel"]["dtype"] == "uint8" and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
+    # module: dtype, the kernel's shard, the scales' and mins' shard
+    want_shards = {"mlp.gate_proj": ("uint8", [32, 48], [2, 48]), "self_attn.q_proj": ("int8", [64, 32], [2, 32]),
+                   "self_attn.v_proj": ("int8", [64, 16], [2, 16]), "self_attn.o_proj": ("int8", [32, 64], [1, 64])}
+    for module, (dtype, kernel, groups) in want_shards.items():
+        assert weights[f"{module}.kernel"]["dtype"] == dtype and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
         assert weights[f"{module}.scales"]["shard_shapes"] == weights[f"{module}.mins"]["shard_shapes"] == [groups]
-    o_proj = weights["self_attn.o_proj.kernel"]
-    assert o_proj["dtype"] == "int8" and o_proj["shard_shapes"] == [[32, 64]]
-    assert weights["self_attn.o_proj.scales"]["shard_shapes"] == [[1, 64]] and "self_attn.o_proj.mins" not in weights
     assert weights["mlp.down_proj.kernel"]["dtype"] == "float32" and weights["mlp.down_proj.kernel"]["shard_shapes"] == [[48, 64]]
     assert runs["2"]["weights"]["model.embed_tokens.embedding"]["dtype"] == "float32"
 

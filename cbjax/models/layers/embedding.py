@@ -1,6 +1,6 @@
 """The token embedding kept quantized, as its LM head's kernel (issue 38): a GGUF file's Q8_0 table, or a
 quantized head (`quantize_lm_head`), is held once, as the [hidden, vocab] kernel the head multiplies
-(int8 q with scales [vocab] or [hidden / G, vocab], or 4-bit nibbles with scales and mins [hidden / G, vocab];
+(int8 q with scales [vocab] or [hidden / G, vocab] and maybe mins alike, or 4-bit nibbles with scales and mins [hidden / G, vocab];
 unpacked, or in 32-column panels for the C++ matmul). The head multiplies it as any quantized projection
 (layers/linear.kernel_product); the embedding gathers the columns of the tokens it looks up and dequantizes
 only those: never a float copy of the table.
@@ -12,14 +12,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from cbjax.models.layers.linear import QUANTIZED_KERNELS
+from cbjax.models.layers.linear import beside_values
 from kernels_cpu.matmul import PANEL
 
 
 def quantized_table(embed: nnx.Embed) -> tuple[Array, list[Array]]:
     """The embedding's weight and the quantized leaves beside it (none for a float [vocab, hidden] table)."""
     table = embed.embedding[...]
-    return table, [getattr(embed, leaf)[...] for leaf in QUANTIZED_KERNELS.get(table.dtype, ((),))[0]]
+    return table, beside_values(embed)
 
 
 def embedding_rows(embed: nnx.Embed, token_ids: Int[Array, "tokens"]) -> Float[Array, "tokens hidden"]:

@@ -16,18 +16,25 @@ from kernels_cpu import packed_matmul_reference, scales_width
 from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
-# A quantized kernel's dtype -> the parameters beside it and its unpacked product: int8 q [in, out] with
-# scales [out] or [in / G, out] (GGUF's Q8_0, Q6_K, Q5_0); 4-bit nibbles [in / 2, out] with scales and mins
-# [in / G, out] (GGUF's 4-bit tensors too).
-QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): (("scales",), int8_matmul),
-                     jnp.dtype(jnp.uint8): (("scales", "mins"), int4_matmul)}
+# A quantized kernel's dtype -> its unpacked product: int8 q [in, out] with scales [out] or [in / G, out] (GGUF's
+# Q8_0, Q6_K, Q5_0), and mins [in / G, out] too (GGUF's Q5_1, Q5_K); 4-bit nibbles [in / 2, out] with scales and
+# mins [in / G, out] (GGUF's 4-bit tensors too).
+QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul}
+BESIDE = ("scales", "mins")  # the parameters a quantized kernel may have beside it, in the products' argument order
+
+
+def beside_values(module: nnx.Module) -> list[Array]:
+    """The values of the parameters beside `module`'s quantized kernel or table (BESIDE, those it has; none for
+    a float one)."""
+    return [getattr(module, leaf)[...] for leaf in BESIDE if isinstance(getattr(module, leaf, None), nnx.Variable)]
 
 
 class Linear(nnx.Linear):
     """nnx.Linear whose kernel may be packed for the CPU matmul kernel ([out / 32, in, 32], see
     `pack_linears`, or int8 panels by `quantize_linears`): then the product is the C++ kernel's where
     the plan runs the C++ kernels, else its jnp reference. An int8 kernel (with `scales` [out] set by
-    `quantize_linears`) is multiplied as (x @ q) * scales, a 4-bit one (uint8 nibbles with `scales` and
+    `quantize_linears`, or [in / G, out] and maybe `mins` from a GGUF file) is multiplied as (x @ q) * scales
+    (group by group), a 4-bit one (uint8 nibbles with `scales` and
     `mins`) group by group (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is
     nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
     to the product."""
@@ -42,7 +49,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         if kernel.ndim == 2 and kernel.dtype not in QUANTIZED_KERNELS:
             return super().__call__(x)
-        quantized = [getattr(self, leaf)[...] for leaf in QUANTIZED_KERNELS.get(kernel.dtype, ((),))[0]]
+        quantized = beside_values(self)
         # A quantized product returns in the dtype a float kernel's dot would give (bf16 activations stay bf16).
         y = kernel_product(x, kernel, quantized, plan).astype(self.preferred_element_type or x.dtype)
         return y if self.bias is None else y + self.bias[...]
@@ -54,7 +61,7 @@ def kernel_product(
     """x @ a quantized [in, out] kernel (its `quantized` leaves: QUANTIZED_KERNELS) or a packed one (with
     them, if any): the C++ kernel's product where the plan runs the C++ kernels, else the jnp one; float32."""
     if kernel.ndim == 2:
-        return QUANTIZED_KERNELS[kernel.dtype][1](x, kernel, *quantized)
+        return QUANTIZED_KERNELS[kernel.dtype](x, kernel, *quantized)
     return (packed_matmul_cpu if plan.backend == "cpp" else packed_matmul_reference)(x, kernel, *quantized)
 
 
@@ -180,7 +187,7 @@ def declare_stored(model: nnx.Module, params: dict[str, np.ndarray]) -> nnx.Modu
         prefix = "".join(f"{key}." for key in path)
         weight = "embedding" if isinstance(module, nnx.Embed) else "kernel"
         if isinstance(module, (Linear, nnx.Embed)) and prefix + "scales" in params:
-            for leaf in (weight, *QUANTIZED_KERNELS[jnp.dtype(params[prefix + weight].dtype)][0]):
+            for leaf in (weight, *(leaf for leaf in BESIDE if prefix + leaf in params)):
                 setattr(module, leaf, nnx.Param(jax.ShapeDtypeStruct(params[prefix + leaf].shape, params[prefix + leaf].dtype)))
             if weight == "embedding" and getattr(model, "tied_head", None) is not None:
                 model.tied_head = None
