@@ -6,7 +6,7 @@
 SmolLM2-135M's 30 layers of projections (benchmarks/decode_dots_bandwidth.py's `projections`: q/k/v,
 o, gate/up, down, weights [in, out]) through `packed_matmul_cpu` with the weights packed as the engine
 packs them: float32 panels; int8 panels with one scale per column (quantization="int8") or per group of
-32 inputs (GGUF's Q8_0); 4-bit nibble panels with scales and mins per group of 32 (quantization="int4-g32",
+32 inputs (GGUF's Q8_0), and with mins per group too ("int8-g32-mins": GGUF's Q5_1, Q5_K); 4-bit nibble panels with scales and mins per group of 32 (quantization="int4-g32",
 GGUF's Q4_0/Q4_1), their scales and mins packed by panel as the engine packs them where N is whole panels
 ("int4-g32-rows": left as rows [K / G, N], as the kernel also takes them). The weights are random (the
 kernels' speed does not depend on the values). At each of --rows the kernels are timed alternately, --rounds
@@ -32,7 +32,7 @@ from kernels_cpu.quant4 import pack_nibbles
 
 SHAPES = [(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]  # [in, out] per layer
 GROUP = 32
-KERNELS = ("float32", "int8", "int8-g32", "int4-g32", "int4-g32-rows")
+KERNELS = ("float32", "int8", "int8-g32", "int8-g32-mins", "int4-g32", "int4-g32-rows")
 
 
 def random_weight(rng: np.random.Generator, kernel: str, k: int, n: int) -> tuple[np.ndarray, ...]:
@@ -40,8 +40,9 @@ def random_weight(rng: np.random.Generator, kernel: str, k: int, n: int) -> tupl
     if kernel == "float32":
         return (pack_weight(rng.standard_normal((k, n), np.float32) * 0.02),)
     if kernel.startswith("int8"):
-        scales = rng.uniform(1e-4, 2e-4, (k // GROUP, n) if kernel == "int8-g32" else (n,)).astype(np.float32)
-        return pack_weight(rng.integers(-127, 128, (k, n), dtype=np.int8)), scales
+        scales = rng.uniform(1e-4, 2e-4, (n,) if kernel == "int8" else (k // GROUP, n)).astype(np.float32)
+        beside = (scales, -16 * scales) if kernel.endswith("mins") else (scales,)
+        return pack_weight(rng.integers(-127, 128, (k, n), dtype=np.int8)), *beside
     scales = rng.uniform(1e-3, 2e-3, (k // GROUP, n)).astype(np.float32)
     scales, mins = scales, -8 * scales
     if kernel != "int4-g32-rows":

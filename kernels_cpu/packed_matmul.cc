@@ -457,6 +457,11 @@ void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const flo
       }
     }
     const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
+    __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+    if constexpr (kMins) {
+      m0 = _mm512_maskz_loadu_ps(low, mins + g * N);
+      m1 = _mm512_maskz_loadu_ps(high, mins + g * N + 16);
+    }
     for (int r = 0; r < R; ++r) {
       float* out = y + r * ldy;
       __m512 y0, y1;
@@ -469,8 +474,8 @@ void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const flo
       }
       if constexpr (kMins) {
         const __m512 sum = _mm512_set1_ps(x_sums[r * groups + g]);
-        y0 = _mm512_fmadd_ps(sum, _mm512_maskz_loadu_ps(low, mins + g * N), y0);
-        y1 = _mm512_fmadd_ps(sum, _mm512_maskz_loadu_ps(high, mins + g * N + 16), y1);
+        y0 = _mm512_fmadd_ps(sum, m0, y0);
+        y1 = _mm512_fmadd_ps(sum, m1, y1);
       }
       _mm512_mask_storeu_ps(out, low, y0);
       _mm512_mask_storeu_ps(out + 16, high, y1);

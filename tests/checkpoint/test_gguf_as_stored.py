@@ -15,6 +15,7 @@ from flax import nnx
 from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from test_gguf_import import QUANT_TYPES, real_gguf_path, write_tiny_llama_gguf
 from test_packed_matmul import forward_logits, model_logits
@@ -44,37 +45,25 @@ MIXED_TYPES = {"token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q5_1, "attn_k.wei
                "attn_output.weight": Q.Q5_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q5_1}
 
 
-def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    """Random Q4_K rows (the gguf package has no Q4_K quantizer): any bytes are a valid block once its two
-    float16 factors d and dmin are finite, so random bits with small random factors."""
-    blocks = rng.integers(0, 256, (rows * k // 256, 144), dtype=np.uint8)
-    blocks[:, 0:4] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+# Types the gguf package has no quantizer for -> the byte offsets of each block's float16 factors (d, dmin), as
+# ggml lays them out (block_q4_K, block_q6_K, ...). Any bytes are a valid block once those are finite.
+FACTOR_BYTES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_K: (0, 2), Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ4_NL: (0,),
+                Q.IQ4_XS: (0,)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, k: int) -> np.ndarray:
+    """Random [rows, k] tensor bytes of `qtype`: random bits with small random float16 factors."""
+    per_block, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * k // per_block, nbytes), dtype=np.uint8)
+    for offset in FACTOR_BYTES[qtype]:
+        blocks[:, offset : offset + 2] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
-
-
-def q6_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    """Random Q6_K rows (the gguf package has no Q6_K quantizer), laid out as ggml's block_q6_K: any bytes are
-    a valid block once its float16 factor d (the last 2 of 210 bytes) is finite, so random bits with a small d."""
-    blocks = rng.integers(0, 256, (rows * k // 256, 210), dtype=np.uint8)
-    blocks[:, 208:210] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
-def q5_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    """Random Q5_K rows (the gguf package has no Q5_K quantizer), laid out as ggml's block_q5_K: any bytes are a
-    valid block once its two float16 factors d and dmin (its first 4 bytes) are finite."""
-    blocks = rng.integers(0, 256, (rows * k // 256, 176), dtype=np.uint8)
-    blocks[:, 0:4] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
-RANDOM_BLOCKS = {Q.Q4_K: q4_k_blocks, Q.Q6_K: q6_k_blocks, Q.Q5_K: q5_k_blocks}
 
 
 def random_tensor(rng: np.random.Generator, qtype: Q, out: int, k: int) -> np.ndarray:
     """A random [out, k] tensor of `qtype`: the gguf package's quantizer where it has one, else random blocks."""
-    if qtype in RANDOM_BLOCKS:
-        return RANDOM_BLOCKS[qtype](rng, out, k)
+    if qtype in FACTOR_BYTES:
+        return random_blocks(rng, qtype, out, k)
     return quantize(rng.standard_normal((out, k)).astype(np.float32), qtype)
 
 
@@ -86,7 +75,7 @@ def held_weight(arrays: dict[str, np.ndarray], form: Form) -> np.ndarray:
     return weight + (np.repeat(arrays["mins"].astype(np.float64), form.group, axis=0) if form.mins else 0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS])
 def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
@@ -102,7 +91,7 @@ def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, form.group, axis=0), reference[:, order])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q2_K])
 def test_tensors_with_mins_repack_to_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
@@ -112,14 +101,16 @@ def test_tensors_with_mins_repack_to_what_ggufs_dequantizer_reads(qtype):
     form = STORED_FORMS[qtype]
     arrays = stored_arrays(data, qtype, k, form, order)
     kernel_shape = (k // 2, out) if form.bits == 4 else (k, out)
-    assert form.mins and arrays["kernel"].shape == kernel_shape and arrays["scales"].shape == arrays["mins"].shape == (k // 32, out)
+    assert form.mins and arrays["kernel"].shape == kernel_shape
+    assert arrays["scales"].shape == arrays["mins"].shape == (k // form.group, out)
     assert arrays["kernel"].dtype == (np.uint8 if form.bits == 4 else np.int8)
     # gguf rounds d * q (+ m) in float32; the form is exact in float64
     np.testing.assert_allclose(held_weight(arrays, form), reference[:, order], rtol=2**-23, atol=1e-30)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K])
-@pytest.mark.parametrize("form", [Form(8, 16, True), Form(8, 32, True)], ids=["int8-g16-mins", "int8-g32-mins"])
+@pytest.mark.parametrize("qtype,form", [
+    (qtype, form) for qtype in (Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.IQ4_XS)
+    for form in (Form(8, 16, True), Form(8, 32, True)) if STORED_FORMS[qtype].group % form.group == 0])
 def test_a_part_held_in_a_fused_kernels_common_int8_form_is_the_same_weight(qtype, form):
     """A 4-bit or int8 part widened to int8, its groups cut to 16 and its mins zero where it has none: the same
     float64 weight as in its own form (the arrays are the file's integers and factors, moved)."""
