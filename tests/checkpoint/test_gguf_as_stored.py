@@ -234,11 +234,13 @@ def test_llm_serves_a_gguf_file_with_its_own_tokenizer_as_transformers_serves_it
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_dir, p, 8) for p in prompts]
 
 
-def test_plan_counts_a_gguf_file_as_the_loader_holds_it(tiny_gguf, capsys):
+@pytest.mark.parametrize("files", ["tiny_gguf", "tiny_mixed_gguf"])
+def test_plan_counts_a_gguf_file_as_the_loader_holds_it(files, request, capsys):
     """`cbjax plan --config FILE.gguf`: the config the engine serves the file with, and the bytes of what the
-    loader makes of its tensors (kept as stored, the rest in dtype), from the tensor list alone: at one device
-    exactly the loaded parameters' bytes; under tensor parallelism (embedding and head dequantized) the same
-    names, shapes and dtypes as the loader's."""
+    loader makes of its tensors (kept as stored, the rest in dtype; mins and fused kernels' common forms in the
+    mixed file), from the tensor list alone: at one device exactly the loaded parameters' bytes; under tensor
+    parallelism (embedding and head dequantized) the same names, shapes and dtypes as the loader's."""
+    tiny_gguf = request.getfixturevalue(files)
     gguf_file = tiny_gguf[0] / GGUF_FILE
     name, config = load_model_config(str(gguf_file))
     assert config == ModelConfig.from_dir(tiny_gguf[0])  # the as-stored directory's config.json
