@@ -263,6 +263,16 @@ def test_plan_counts_a_gguf_file_as_the_loader_holds_it(files, request, capsys):
         main(["lower", "--config", str(gguf_file)])
 
 
+@pytest.mark.parametrize("files", ["tiny_gguf", "tiny_mixed_gguf"])
+def test_every_step_of_a_gguf_file_as_stored_lowers_for_cuda(files, request, capsys):
+    """On a GPU the file's quantized kernels run the jnp products (int8 with group scales and mins, 4-bit): each
+    bucket's step lowers for CUDA with them, without a GPU."""
+    gguf_file = request.getfixturevalue(files)[0] / GGUF_FILE
+    main(["lower", "--platform", "cuda", "--backend", "pallas", "--model", str(gguf_file), "--max-num-seqs", "4",
+          "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16", "--num-kv-blocks", "40"])
+    assert "lowered 3/3 steps for cuda with backend pallas" in capsys.readouterr().out
+
+
 def test_a_gguf_model_is_not_quantized_again(tiny_gguf):
     with pytest.raises(ValueError, match="already quantized; quantization='int8' cannot quantize them again"):
         load_model(tiny_gguf[0], quantization="int8")
