@@ -7,8 +7,7 @@ odd K), the pairs the bf16 dot instruction multiplies; x is then rounded to bflo
 products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) does. Only widths
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
 float32 scales [N], or [K / G, N] for a scale per group of G inputs, with mins [K / G, N] beside them
-for GGUF's Q5_1 and Q5_K) packs as [ceil(N / 32), K, 32],
-zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
+for GGUF's types that have them) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
 float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
 and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
 32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes. Where N is a whole number of
@@ -121,8 +120,9 @@ def packed_matmul_cpu(
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
     its float32 scales [N] (w = q * scales per column) or [K / G, N] (per group of G inputs), which also
-    give N, and may take mins [K / G, N] beside grouped scales (w = q * scales + mins per group); 4-bit nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or
-    packed by pack_group_rows ([N / 32, K / G, 32], N whole panels)."""
+    give N, and may take mins [K / G, N] beside grouped scales (w = q * scales + mins per group); 4-bit
+    nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or packed by
+    pack_group_rows ([N / 32, K / G, 32], N whole panels)."""
     dtype = jnp.dtype(packed.dtype)
     # scales' ranks (None: no scales); 4-bit 3: packed by panel
     expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3)}.get(dtype)

@@ -414,7 +414,7 @@ ffi::Error matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // q as int8 panels [ceil(N / 32), K, 32], zero columns padding N up to a panel. Per row and group the
 // kernel sums x_k * q (q widened to f32) in registers and multiplies the sum by the group's scales at its
 // end: y = scales[0] * sum_0, then y = scales[g] * sum_g + y for each further group (one FMA). With mins
-// [K / G, N] (GGUF's Q5_1 and Q5_K, and fused kernels whose 4-bit parts were widened to int8: gguf_params.py)
+// [K / G, N] (GGUF's Q5_1, Q5_K, Q2_K, and fused kernels whose 4-bit parts were widened to int8: gguf_forms.py)
 // each group then adds mins * (the group's sum of x), as the 4-bit kernel does.
 
 // Each row's sum of x over each group of G inputs, [rows, K / G], summed in double: the mins' factor.

@@ -11,7 +11,7 @@ int8 weights may also carry one scale per group of G consecutive inputs: scales 
 w[k, n] = q[k, n] * scales[k // G, n] (GGUF's Q8_0 is G = 32; Q6_K's 6-bit values with their
 16-input sub-block scales fit it at G = 16). The per-column form is the one-group case, G = K. Grouped
 int8 weights may carry mins [K / G, N] too, w[k, n] = q[k, n] * scales[k // G, n] + mins[k // G, n]: GGUF's
-5-bit types with a minimum (Q5_1, Q5_K) and fused kernels whose parts differ in type (checkpoint/gguf_params.py).
+types with a minimum (Q5_1, Q5_K, Q2_K) and fused kernels whose parts differ in type (checkpoint/gguf_forms.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def int8_matmul(
 ) -> Float[Array, "*rows n"]:
     """x @ (q * scales (+ mins)), accumulated in float32 (any platform). Scales [N]: (x @ q) * scales. Scales
     [K / G, N]: each group's sum of x * q times that group's scales, added over the groups, as the C++
-    kernel sums them; with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K) plus each
+    kernel sums them; with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K, Q2_K) plus each
     group's sum of x times its mins (quant4.int4_matmul's form)."""
     if (q.ndim != 2 or q.dtype != jnp.int8 or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
             or x.shape[-1] != q.shape[0] or (mins is not None and (scales.ndim != 2 or mins.shape != scales.shape))):

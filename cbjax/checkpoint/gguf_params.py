@@ -3,9 +3,9 @@
 Decoder projections, the token embedding and the LM head in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel`
 nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0, Q6_K, Q5_0,
 Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL or IQ4_XS they are held as int8: `...kernel` int8 [in, out] with `...scales`
-[in / G, out], G 32 or 16, and `...mins` beside them for Q5_1, Q5_K and Q2_K (gguf_q8.py). A fused kernel whose parts differ in type is held in the
-int8 form that holds each part exactly (gguf_forms.py). All are the file's own integers, which the packed C++
-matmul or its jnp form multiply. The embedding is kept as its LM head's kernel, [hidden, vocab]
+[in / G, out], G 32 or 16, and `...mins` beside them for Q5_1, Q5_K and Q2_K (gguf_q8.py). A fused kernel
+whose parts differ in type is held in the int8 form that holds each part exactly (gguf_forms.py). All are the
+file's own integers, which the packed C++ matmul or its jnp form multiply. The embedding is kept as its LM head's kernel, [hidden, vocab]
 (`model.embed_tokens.embedding`, with scales beside it): one copy is the tied head's weight, and the embedding
 gather dequantizes only the rows it takes (models/layers/embedding.py). Every other tensor (F16, the norms, a
 fused kernel with a part in another type) is dequantized to the model's dtype at load, and one log line says

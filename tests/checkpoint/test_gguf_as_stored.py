@@ -149,22 +149,22 @@ def test_a_fused_kernel_stays_quantized_if_all_its_parts_do_in_one_form_that_hol
     assert kept["head"] == int8(16, False) and kept["embd"] == int8(32, False)
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """(as-stored dir, the float checkpoint imported and converted from the same file)."""
-    root = tmp_path_factory.mktemp("as_stored")
-    write_tiny_llama_gguf(root / "tiny.gguf", quant_types=AS_STORED_TYPES)
+def stored_and_imported(root: Path, quant_types: dict) -> tuple[Path, Path]:
+    """A tiny GGUF of `quant_types` written under `root`: (its as-stored dir, the float checkpoint imported and
+    converted from the same file)."""
+    write_tiny_llama_gguf(root / "tiny.gguf", quant_types=quant_types)
     return (write_as_stored_dir(root / "tiny.gguf", root / "stored"),
             convert_checkpoint(import_gguf(root / "tiny.gguf", root / "hf"), root / "float"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return stored_and_imported(tmp_path_factory.mktemp("as_stored"), AS_STORED_TYPES)
 
 
 @pytest.fixture(scope="module")
 def tiny_mixed_gguf(tmp_path_factory):
-    """tiny_gguf's pair for a file of MIXED_TYPES."""
-    root = tmp_path_factory.mktemp("as_stored_mixed")
-    write_tiny_llama_gguf(root / "tiny.gguf", quant_types=MIXED_TYPES)
-    return (write_as_stored_dir(root / "tiny.gguf", root / "stored"),
-            convert_checkpoint(import_gguf(root / "tiny.gguf", root / "hf"), root / "float"))
+    return stored_and_imported(tmp_path_factory.mktemp("as_stored_mixed"), MIXED_TYPES)
 
 
 def assert_the_float_imports_logits(stored: Path, imported: Path, packed: nnx.Module) -> None:

@@ -17,8 +17,8 @@ from kernels_cpu.quant import int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> its unpacked product: int8 q [in, out] with scales [out] or [in / G, out] (GGUF's
-# Q8_0, Q6_K, Q5_0), and mins [in / G, out] too (GGUF's Q5_1, Q5_K); 4-bit nibbles [in / 2, out] with scales and
-# mins [in / G, out] (GGUF's 4-bit tensors too).
+# Q8_0, Q6_K, Q5_0, ...), and mins [in / G, out] too (GGUF's Q5_1, Q5_K, Q2_K); 4-bit nibbles [in / 2, out] with
+# scales and mins [in / G, out] (GGUF's 4-bit tensors too).
 QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul}
 BESIDE = ("scales", "mins")  # the parameters a quantized kernel may have beside it, in the products' argument order
 
@@ -34,8 +34,7 @@ class Linear(nnx.Linear):
     `pack_linears`, or int8 panels by `quantize_linears`): then the product is the C++ kernel's where
     the plan runs the C++ kernels, else its jnp reference. An int8 kernel (with `scales` [out] set by
     `quantize_linears`, or [in / G, out] and maybe `mins` from a GGUF file) is multiplied as (x @ q) * scales
-    (group by group), a 4-bit one (uint8 nibbles with `scales` and
-    `mins`) group by group (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is
+    (group by group), a 4-bit one (uint8 nibbles with `scales` and `mins`) group by group (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is
     nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
     to the product."""
 
