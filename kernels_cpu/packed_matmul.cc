@@ -531,8 +531,8 @@ ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, co
   cbjax_kernels::share_out(pool, w.dimensions()[0], [=](int64_t p) {
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
     row_passes(rows, [&](int64_t m, auto r) {
-      pass_i8<r.value, kMins>(xp + m * K, kMins ? xs + m * groups : nullptr, q + p * K * kPanel, s + c, kMins ? mins + c : nullptr,
-                              out + m * N + c, K, group, N, N, width);
+      pass_i8<r.value, kMins>(xp + m * K, kMins ? xs + m * groups : nullptr, q + p * K * kPanel, s + c,
+                              kMins ? mins + c : nullptr, out + m * N + c, K, group, N, N, width);
     });
   });
   return ffi::Error::Success();

@@ -13,7 +13,8 @@ dequantized, and its float16 factors become float32 scales (and mins).
         128 of low nibbles; 8 sub-blocks of 32):              w = d sc_j q - dmin m_j -> q, scales d sc_j,
                                                                                           mins -dmin m_j     (G 32)
   Q3_K (110-byte superblocks of 256: 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit sc_j, d; 16 sub-blocks
-        of 16):                                                w = d (sc_j - 32) q    -> q (-4..3), scales d (sc_j - 32) (G 16)
+        of 16):                                                w = d (sc_j - 32) q    -> q (-4..3),
+                                                                                          scales d (sc_j - 32) (G 16)
   Q2_K (84-byte superblocks of 256: 16 bytes of 4-bit sc_j and m_j, 64 of bit pairs, d, dmin; 16 sub-blocks of 16):
                                                                w = d sc_j q - dmin m_j -> q (0..3), scales d sc_j,
                                                                                           mins -dmin m_j     (G 16)
@@ -92,7 +93,8 @@ def _q5_k(blocks):
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
     low = _bits(blocks[:, 48:].reshape(-1, 4, 32), 4, 2)
     high = _bits(blocks[:, 16:48].reshape(-1, 1, 32), 1, 8)
-    return (low | (high << 4)).astype(np.int8), _f16(blocks, 0) * sc.astype(np.float32), -(_f16(blocks, 2) * m.astype(np.float32))
+    scales, mins = _f16(blocks, 0) * sc.astype(np.float32), -(_f16(blocks, 2) * m.astype(np.float32))
+    return (low | (high << 4)).astype(np.int8), scales, mins
 
 
 def _q3_k(blocks):
