@@ -33,6 +33,7 @@ LAYOUT = "packed-3"
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
            jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
 INT8_MINS_TARGET = "CbjaxPackedMatmulI8Mins"  # int8 panels with scales and mins [K / G, N]
+Q4_GRID_TARGET = "CbjaxPackedMatmulQ4Grid"  # nibble panels indexing a grid [16] of values
 QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded
 
 
@@ -99,15 +100,15 @@ def unpack_weight(packed: Float[Array, "panels steps width"], k: int | None = No
 
 def packed_matmul_reference(
     x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
-    mins: Float[Array, "g n"] | None = None,
+    mins: Float[Array, "g n"] | None = None, grid: Float[Array, "16"] | None = None,
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w (int8: with its scales, x @ (q * scales), and mins [K / G, N] if given, x @ (q *
     scales + mins); 4-bit: scales and mins [K / G, N] or packed [N / 32, K / G, 32], x @ (q * scales + mins) by
-    groups), in jnp (any platform): what the kernel computes."""
+    groups, the nibbles indexing `grid` if given), in jnp (any platform): what the kernel computes."""
     if packed.dtype == jnp.uint8:
         if scales.ndim == 3:
             scales, mins = unpack_group_rows(scales), unpack_group_rows(mins)
-        return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins)
+        return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins, grid)
     if packed.dtype == jnp.int8:
         return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     w = unpack_weight(packed, x.shape[-1])
@@ -116,13 +117,13 @@ def packed_matmul_reference(
 
 def packed_matmul_cpu(
     x: Float[Array, "*rows k"], packed: Float[Array, "panels steps width"], scales: Float[Array, "*g n"] | None = None,
-    mins: Float[Array, "g n"] | None = None,
+    mins: Float[Array, "g n"] | None = None, grid: Float[Array, "16"] | None = None,
 ) -> Float[Array, "*rows n"]:
     """x @ w from the packed w, by the C++ kernel (CPU only); float32 x and result. An int8 w takes
     its float32 scales [N] (w = q * scales per column) or [K / G, N] (per group of G inputs), which also
     give N, and may take mins [K / G, N] beside grouped scales (w = q * scales + mins per group); 4-bit
     nibble panels take scales and mins [K / G, N] (w = q * scales + mins per group) or packed by
-    pack_group_rows ([N / 32, K / G, 32], N whole panels)."""
+    pack_group_rows ([N / 32, K / G, 32], N whole panels), and may take a grid [16] their nibbles index."""
     dtype = jnp.dtype(packed.dtype)
     # scales' ranks (None: no scales); 4-bit 3: packed by panel
     expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3)}.get(dtype)
@@ -133,21 +134,23 @@ def packed_matmul_cpu(
         or (scales is None) != (expected_scales is None)
         or (dtype == jnp.uint8 and mins is None) or (mins is not None and dtype not in QUANTIZED)
         or (dtype == jnp.int8 and mins is not None and scales.ndim != 2)
+        or (grid is not None and (dtype != jnp.uint8 or grid.shape != (16,)))
         or (scales is not None and (scales.ndim not in expected_scales or scales.ndim == 3 and scales.shape[2] != PANEL
                                     or -(-scales_width(scales) // PANEL) != packed.shape[0]))
         or (mins is not None and mins.shape != scales.shape)
     ):
         raise ValueError(
             f"packed_matmul_cpu: x {x.shape} does not match a packed weight {dtype} {packed.shape} with scales "
-            f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape} (float32 "
+            f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape}{'' if grid is None else f' and grid {grid.shape}'} (float32 "
             f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
             f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N], and mins of grouped scales' shape or none; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
-            f"and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}])"
+            f"and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}], and a grid [16] or none)"
         )
     if dtype == jnp.int8 and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])
     n = packed.shape[0] * PANEL if scales is None else scales_width(scales)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
-    operands = tuple(array.astype(jnp.float32) for array in (scales, mins) if array is not None)
-    name = INT8_MINS_TARGET if dtype == jnp.int8 and mins is not None else TARGETS[dtype]
+    operands = tuple(array.astype(jnp.float32) for array in (scales, mins, grid) if array is not None)
+    name = (INT8_MINS_TARGET if dtype == jnp.int8 and mins is not None else Q4_GRID_TARGET if grid is not None
+            else TARGETS[dtype])
     return jax.ffi.ffi_call(target(name), out)(x.astype(jnp.float32), packed, *operands)

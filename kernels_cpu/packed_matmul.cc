@@ -9,7 +9,7 @@
 //      x * q is multiplied by its scales once, at the group's end (and, CbjaxPackedMatmulI8Mins, with f32
 //      mins [K / G, N] too: w[k, n] = q[k, n] * scales[k / G, n] + mins[k / G, n])
 //      or u8 [ceil(N / 32), K / 2, 32] with f32 scales and mins [K / G, N] or [ceil(N / 32), K / G, 32]: 4-bit
-//      nibbles (see below)
+//      nibbles (see below), standing for 0..15 or (CbjaxPackedMatmulQ4Grid) for a given f32 grid [16]
 //   y  f32 [rows, N]
 // With bf16 weights x is rounded to bf16 first (to nearest even) and the products summed in
 // f32: what XLA computes for a bf16 x bf16 -> f32 dot of x.astype(bf16). int8 and 4-bit weights are
@@ -551,7 +551,7 @@ ffi::Error matmul_i8_mins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return multiply_i8<true>(pool, x, w, scales, mins.typed_data(), y);
 }
 
-// ---- 4-bit groups: w[k, n] = scales[g, n] * q[k, n] + mins[g, n], q in 0..15, g = k / G ----
+// ---- 4-bit groups: w[k, n] = scales[g, n] * grid[q[k, n]] + mins[g, n], q in 0..15, g = k / G ----
 // q as nibble panels u8 [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column 32p + c's q at k = 2s
 // (low nibble) and 2s + 1 (high nibble); zero columns pad N up to a panel. scales and mins [K / G, N], or by
 // panel [ceil(N / 32), K / G, 32] (each panel's groups one after another). Per row and group the kernel
@@ -566,12 +566,14 @@ ffi::Error matmul_i8_mins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 // passes over half a panel with 16 or 24 rows slower than these 8-row ones (BENCHMARKS.md, "Quantized weights").
 
 constexpr int kRowsQ4 = 8;  // rows of a group's sums in registers (2 x 8), beside 4 weight vectors
+// What each nibble q stands for in w = scales * grid[q] + mins: q itself (Q4_0, Q4_1, Q4_K, int4), unless the
+// caller gives its own 16 values (CbjaxPackedMatmulQ4Grid: GGUF's IQ4_NL and IQ4_XS, a non-linear grid).
+constexpr float kNibbleValues[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 #if defined(__AVX512F__)
 // Columns 16h..16h+15 of a step: their bytes widened to 32-bit lanes, the low nibbles (k = 2s) and the high ones
-// (2s + 1) as floats.
-inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// (2s + 1) as the grid's floats (`values`: grid[0..15]).
+inline void load_nibbles(const uint8_t* wp, const __m512 values, __m512& lo, __m512& hi) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
   lo = _mm512_permutexvar_ps(bytes, values);  // vpermps reads each index's low 4 bits: the low nibble
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
@@ -580,11 +582,12 @@ inline void load_nibbles(const uint8_t* wp, __m512& lo, __m512& hi) {
 // R rows of x (K apart; their group sums `groups` apart) times one nibble panel -> R x 32 outputs,
 // the first `width` at y (rows ldy apart), which holds the sum over the groups done so far: a group's
 // sums stay in registers and are added to y at its end. scales/mins point at the panel's first group's 32
-// (a group's `stride` floats after the last one's).
+// (a group's `stride` floats after the last one's); grid holds the 16 values the nibbles index.
 template <int R>
 void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
-             float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
+             const float* grid, float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
+  const __m512 values = _mm512_loadu_ps(grid);
   const __mmask16 low = width >= 16 ? 0xffff : (1u << width) - 1;
   const __mmask16 high = width >= 32 ? 0xffff : width <= 16 ? 0 : (1u << (width - 16)) - 1;
   const uint8_t* wp = panel;
@@ -598,8 +601,8 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
     for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel) {
       _mm_prefetch(reinterpret_cast<const char*>(wp + kQuantizedAhead), _MM_HINT_T0);
       __m512 lo0, hi0, lo1, hi1;
-      load_nibbles(wp, lo0, hi0);
-      load_nibbles(wp + 16, lo1, hi1);
+      load_nibbles(wp, values, lo0, hi0);
+      load_nibbles(wp + 16, values, lo1, hi1);
       for (int r = 0; r < R; ++r) {
         const __m512 x0 = _mm512_set1_ps(x[r * K + k]), x1 = _mm512_set1_ps(x[r * K + k + 1]);
         acc[r][0] = _mm512_fmadd_ps(x1, hi0, _mm512_fmadd_ps(x0, lo0, acc[r][0]));
@@ -622,7 +625,7 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
 #else
 template <int R>
 void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const float* scales, const float* mins,
-             float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
+             const float* grid, float* y, int64_t K, int64_t group, int64_t stride, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
   const uint8_t* wp = panel;
@@ -631,7 +634,7 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
     for (int64_t k = g * group; k < (g + 1) * group; k += 2, wp += kPanel)
       for (int r = 0; r < R; ++r) {
         const float x0 = x[r * K + k], x1 = x[r * K + k + 1];
-        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * float(wp[c] & 0x0f) + x1 * float(wp[c] >> 4);
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += x0 * grid[wp[c] & 0x0f] + x1 * grid[wp[c] >> 4];
       }
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < width; ++c)
@@ -641,8 +644,10 @@ void pass_q4(const float* x, const float* x_sums, const uint8_t* panel, const fl
 }
 #endif
 
-ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+// Nibble panels with scales and mins, the nibbles standing for grid[q] (16 floats).
+ffi::Error multiply_q4(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::U8>& w,
+                       const ffi::Buffer<ffi::F32>& scales, const ffi::Buffer<ffi::F32>& mins, const float* grid,
+                       ffi::ResultBuffer<ffi::F32>& y) {
   const auto sd = scales.dimensions(), md = mins.dimensions(), wd = w.dimensions(), xd = x.dimensions();
   const bool panel_major = sd.size() == 3;  // [ceil(N / 32), K / G, 32] rather than [K / G, N]
   if ((sd.size() != 2 && !panel_major) || md.size() != sd.size() || !std::equal(sd.begin(), sd.end(), md.begin()) ||
@@ -673,13 +678,28 @@ ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     const float *sp = s + p * panel_scales, *mp = m + p * panel_scales;
     int64_t r = 0;
     for (; r + kRowsQ4 <= rows; r += kRowsQ4)
-      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, sp, mp, out + r * N + c, K, group, scale_stride, N, width);
+      pass_q4<kRowsQ4>(xp + r * K, xs + r * groups, panel, sp, mp, grid, out + r * N + c, K, group, scale_stride, N,
+                       width);
     if (r < rows)
       with_rows<kRowsQ4>(rows - r, [&](auto n) {
-        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, sp, mp, out + r * N + c, K, group, scale_stride, N, width);
+        pass_q4<n.value>(xp + r * K, xs + r * groups, panel, sp, mp, grid, out + r * N + c, K, group, scale_stride, N,
+                         width);
       });
   });
   return ffi::Error::Success();
+}
+
+ffi::Error matmul_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  return multiply_q4(pool, x, w, scales, mins, kNibbleValues, y);
+}
+
+ffi::Error matmul_q4_grid(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::F32> grid,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  if (grid.element_count() != 16)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: a 4-bit grid must be 16 floats, one per nibble value");
+  return multiply_q4(pool, x, w, scales, mins, grid.typed_data(), y);
 }
 
 }  // namespace
@@ -716,6 +736,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulQ4, matmul_q4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulQ4Grid, matmul_q4_grid,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,7 +1,8 @@
 """4-bit group-wise weights, one form for every 4-bit scheme: w[k, n] = scales[g, n] * q[k, n] + mins[g, n]
 with q in 0..15 and g = k // G (groups of G consecutive inputs per output column). GGUF's Q4_0, Q4_1 and
 Q4_K map onto it exactly (cbjax/checkpoint/gguf_q4.py); `quantize_int4` makes it from any float weight
-(quantization="int4"). q is stored as nibbles u8 [K / 2, N]: byte (s, n) holds q[2s, n] in its low
+(quantization="int4"). A form may also carry a grid [16]: w = scales * grid[q] + mins, the nibbles indexing 16
+given values (GGUF's IQ4_NL and IQ4_XS, a non-linear grid, with mins 0). q is stored as nibbles u8 [K / 2, N]: byte (s, n) holds q[2s, n] in its low
 nibble and q[2s + 1, n] in its high one; kernels_cpu.pack_weight cuts that into 32-column panels.
 
 The product never makes float weights: y[n] = sum_g scales[g, n] * (sum_{k in g} x_k q[k, n])
@@ -41,9 +42,11 @@ def unpack_nibbles(nibbles: UInt8[Array, "k2 n"]) -> UInt8[Array, "k n"]:
 
 def dequantize_int4(
     nibbles: UInt8[np.ndarray, "k2 n"], scales: Float[np.ndarray, "g n"], mins: Float[np.ndarray, "g n"],
+    grid: Float[np.ndarray, "16"] | None = None,
 ) -> Float[np.ndarray, "k n"]:
-    """The float64 weight [K, N] the 4-bit form stands for."""
-    q = unpack_nibbles(np.asarray(nibbles)).astype(np.float64)
+    """The float64 weight [K, N] the 4-bit form stands for (its nibbles indexing `grid` if given)."""
+    q = unpack_nibbles(np.asarray(nibbles))
+    q = q.astype(np.float64) if grid is None else np.asarray(grid, np.float64)[q]
     group = q.shape[0] // scales.shape[0]
     return q * np.repeat(np.asarray(scales, np.float64), group, 0) + np.repeat(np.asarray(mins, np.float64), group, 0)
 
@@ -82,16 +85,21 @@ def quantize_int4(
 
 def int4_matmul(
     x: Float[Array, "*rows k"], nibbles: UInt8[Array, "k2 n"], scales: Float[Array, "g n"], mins: Float[Array, "g n"],
+    grid: Float[Array, "16"] | None = None,
 ) -> Float[Array, "*rows n"]:
-    """x @ w of the 4-bit form, per group as the C++ kernel sums it, accumulated in float32 (any platform)."""
+    """x @ w of the 4-bit form (its nibbles indexing `grid` if given), per group as the C++ kernel sums it,
+    accumulated in float32 (any platform)."""
     k, (groups, n) = x.shape[-1], scales.shape
-    if nibbles.dtype != jnp.uint8 or nibbles.shape != (k // 2, n) or mins.shape != scales.shape or groups == 0:
+    if (nibbles.dtype != jnp.uint8 or nibbles.shape != (k // 2, n) or mins.shape != scales.shape or groups == 0
+            or (grid is not None and grid.shape != (16,))):
         raise ValueError(
             f"int4_matmul: x {x.shape} does not match 4-bit nibbles {nibbles.dtype} {nibbles.shape}, scales "
-            f"{scales.shape}, mins {mins.shape} (uint8 [K / 2, N], float32 [K / G, N] both, x [..., K])"
+            f"{scales.shape}, mins {mins.shape}, grid {None if grid is None else grid.shape} (uint8 [K / 2, N], "
+            f"float32 [K / G, N] both, a grid of 16 or none, x [..., K])"
         )
     check_group_size(k, k // groups)
     x_groups = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, k // groups)
-    q = unpack_nibbles(nibbles).reshape(groups, k // groups, n).astype(jnp.float32)
+    q = unpack_nibbles(nibbles)
+    q = (q.astype(jnp.float32) if grid is None else grid.astype(jnp.float32)[q]).reshape(groups, k // groups, n)
     sums = jnp.einsum("...gk,gkn->...gn", x_groups, q, preferred_element_type=jnp.float32)
     return (sums * scales).sum(axis=-2) + x_groups.sum(axis=-1) @ mins

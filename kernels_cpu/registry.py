@@ -38,6 +38,7 @@ SYMBOLS = (
     "CbjaxPackedMatmulI8",
     "CbjaxPackedMatmulI8Mins",
     "CbjaxPackedMatmulQ4",
+    "CbjaxPackedMatmulQ4Grid",
 )
 
 _lock = threading.Lock()  # held while the library is built and registered

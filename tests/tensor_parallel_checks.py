@@ -290,12 +290,12 @@ def refusal(ckpt: Path, tp: int, **options) -> str:
 
 
 def tiny_gguf_as_stored(root: Path, down_type: GGMLQuantizationType) -> Path:
-    """A tiny llama GGUF (test_gguf_import's: hidden 64, intermediate 96) served as stored: gate/up Q4_1/Q4_0
-    (kept 4-bit, groups of 32), q/k Q4_0/Q4_1 beside a Q8_0 v (kept in their common form, int8 groups of 32 with
+    """A tiny llama GGUF (test_gguf_import's: hidden 64, intermediate 96) served as stored: gate/up IQ4_NL
+    (kept 4-bit, groups of 32, their nibbles indexing IQ4's grid), q/k Q4_0/Q4_1 beside a Q8_0 v (kept in their common form, int8 groups of 32 with
     mins), o Q5_1 (int8 groups of 32 with mins), down_proj `down_type`, the embedding Q8_0."""
     four_bit = {"attn_q.weight": GGMLQuantizationType.Q4_0, "attn_k.weight": GGMLQuantizationType.Q4_1,
                 "attn_v.weight": GGMLQuantizationType.Q8_0, "attn_output.weight": GGMLQuantizationType.Q5_1,
-                "ffn_gate.weight": GGMLQuantizationType.Q4_1, "ffn_up.weight": GGMLQuantizationType.Q4_0}
+                "ffn_gate.weight": GGMLQuantizationType.IQ4_NL, "ffn_up.weight": GGMLQuantizationType.IQ4_NL}
     root.mkdir()
     write_tiny_llama_gguf(root / "tiny.gguf", quant_types={**QUANT_TYPES, **four_bit, "ffn_down.weight": down_type})
     return write_as_stored_dir(root / "tiny.gguf", root / "stored")

@@ -1,8 +1,8 @@
 """The form each GGUF tensor kept as stored takes in the model, and the arrays of that form.
 
 A form is (bits, group, mins): 4-bit nibbles with scales and mins per group of 32 (gguf_q4.py: Q4_0, Q4_1,
-Q4_K), or int8 with scales per group of 32 or 16, and mins where the type has them (gguf_q8.py: Q8_0, Q5_0,
-Q6_K; Q5_1, Q5_K with mins). A fused kernel (q/k/v, gate/up) has one form, and llama.cpp's K-quant mixes
+Q4_K; IQ4_NL and IQ4_XS with their nibbles indexing IQ4's 16-value grid), or int8 with scales per group of 32 or
+16, and mins where the type has them (gguf_q8.py: Q8_0, Q5_0, Q6_K, Q3_K; Q5_1, Q5_K, Q2_K with mins). A fused kernel (q/k/v, gate/up) has one form, and llama.cpp's K-quant mixes
 give its parts different types: its Q4_K_M keeps v_proj in Q6_K on some layers beside Q4_K q and k, its Q5_K_M
 keeps v in Q8_0 beside Q5_1 q and k where 256 does not divide a row. Such parts share the int8 form that
 holds each of them exactly (`common_form`): a 4-bit part's q widened to int8, scales (and mins) repeated where
@@ -21,7 +21,7 @@ from jaxtyping import UInt8
 from cbjax.checkpoint.gguf_q4 import GROUP as Q4_GROUP
 from cbjax.checkpoint.gguf_q4 import STORED_TYPES as Q4_TYPES
 from cbjax.checkpoint.gguf_q4 import gguf_q4_groups
-from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, WITH_MINS, gguf_int8_groups
+from cbjax.checkpoint.gguf_q8 import INT8_GROUPS, IQ4_VALUES, WITH_MINS, gguf_int8_groups, gguf_iq4_indices
 from kernels_cpu.quant4 import pack_nibbles
 
 
@@ -29,11 +29,15 @@ class Form(NamedTuple):
     bits: int  # 4: nibbles [in / 2, out]; 8: int8 [in, out]
     group: int  # inputs per scale
     mins: bool  # whether `...mins` [in / group, out] sits beside `...scales`
+    grid: bool = False  # 4-bit: whether the nibbles index `...grid` [16] (IQ4's values) rather than stand for 0..15
 
 
-# Each type kept as stored -> its own form.
-STORED_FORMS = {**{qtype: Form(4, Q4_GROUP, True) for qtype in Q4_TYPES},
-                **{qtype: Form(8, group, qtype in WITH_MINS) for qtype, group in INT8_GROUPS.items()}}
+IQ4_TYPES = (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
+# Each type kept as stored -> its own form. IQ4's nibbles index its grid (mins 0); in a fused kernel beside other
+# types they are held as int8 like the rest (INT8_GROUPS: the grid's values, which are int8).
+STORED_FORMS = {**{qtype: Form(8, group, qtype in WITH_MINS) for qtype, group in INT8_GROUPS.items()},
+                **{qtype: Form(4, Q4_GROUP, True) for qtype in Q4_TYPES},
+                **{qtype: Form(4, 32, True, grid=True) for qtype in IQ4_TYPES}}
 
 
 def common_form(forms: list[Form]) -> Form:
@@ -45,8 +49,8 @@ def common_form(forms: list[Form]) -> Form:
 
 
 def leaves(form: Form) -> tuple[str, ...]:
-    """The parameters beside a kernel of `form`."""
-    return ("scales", "mins") if form.mins else ("scales",)
+    """The parameters beside a kernel of `form`: scales and mins [in / group, out], a grid [16]."""
+    return tuple(leaf for leaf, held in (("scales", True), ("mins", form.mins), ("grid", form.grid)) if held)
 
 
 def stored_arrays(
@@ -58,6 +62,8 @@ def stored_arrays(
     them, "mins" [k / group, out]; `column_order` reorders the output columns (llama.cpp's Q/K rope rows)."""
     if qtype in Q4_TYPES:
         q, scales, mins = gguf_q4_groups(data, qtype, k)
+    elif qtype in IQ4_TYPES and form.bits == 4:
+        (q, scales), mins = gguf_iq4_indices(data, qtype, k), None
     else:
         q, scales, mins = gguf_int8_groups(data, qtype, k)
     own = STORED_FORMS[qtype]
@@ -69,6 +75,8 @@ def stored_arrays(
               "scales": scales}
     if form.mins:
         arrays["mins"] = np.zeros_like(scales) if mins is None else mins
-    for leaf in leaves(form):
+    for leaf in ("scales", "mins")[: 1 + form.mins]:
         arrays[leaf] = np.ascontiguousarray(np.repeat(arrays[leaf][order].T, repeat, axis=0))
+    if form.grid:
+        arrays["grid"] = IQ4_VALUES.astype(np.float32)
     return arrays

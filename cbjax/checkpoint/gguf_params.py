@@ -1,11 +1,12 @@
 """A GGUF file's tensors as the model's parameters, kept as stored where the engine has a kernel for them.
 
 Decoder projections, the token embedding and the LM head in Q4_0, Q4_1 or Q4_K stay 4-bit: `...kernel`
-nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py); in Q8_0, Q6_K, Q5_0,
-Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL or IQ4_XS they are held as int8: `...kernel` int8 [in, out] with `...scales`
-[in / G, out], G 32 or 16, and `...mins` beside them for Q5_1, Q5_K and Q2_K (gguf_q8.py). A fused kernel
-whose parts differ in type is held in the int8 form that holds each part exactly (gguf_forms.py). All are the
-file's own integers, which the packed C++ matmul or its jnp form multiply. The embedding is kept as its LM head's kernel, [hidden, vocab]
+nibbles [in / 2, out] with `...scales` and `...mins` [in / 32, out] beside it (gguf_q4.py), in IQ4_NL or IQ4_XS
+too, with a `...grid` [16] of the values their nibbles index; in Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K or Q2_K they
+are held as int8: `...kernel` int8 [in, out] with `...scales` [in / G, out], G 32 or 16, and `...mins` beside
+them for Q5_1, Q5_K and Q2_K (gguf_q8.py). A fused kernel whose parts differ in form is held in the int8 form
+that holds each part exactly (gguf_forms.py). All are the file's own integers, which the packed C++ matmul or
+its jnp form multiply. The embedding is kept as its LM head's kernel, [hidden, vocab]
 (`model.embed_tokens.embedding`, with scales beside it): one copy is the tied head's weight, and the embedding
 gather dequantizes only the rows it takes (models/layers/embedding.py). Every other tensor (F16, the norms, a
 fused kernel with a part in another type) is dequantized to the model's dtype at load, and one log line says
@@ -62,7 +63,8 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
         for name, array, _ in hf_to_params(hf_tensor_name(tensor.name, names), weight.astype(dtype), config):
             params[name] = array
         dequantized[tensor.tensor_type.name].append(tensor.name)
-    found = {name: (array.shape, array.dtype) for name, array in params.items() if not name.endswith((".scales", ".mins"))}
+    found = {name: (array.shape, array.dtype) for name, array in params.items()
+             if not name.endswith((".scales", ".mins", ".grid"))}
     check_params(expected_params(config, jnp.dtype(dtype)), {**found, **logical}, source=str(gguf_path))
     logger.info("GGUF %s as stored: %d tensors kept quantized (%s); dequantized to %s at load: %s", Path(gguf_path).resolve().name,
                 sum(kept.values()), ", ".join(f"{n} {kind}" for kind, n in kept.items()) or "none", dtype,
@@ -86,8 +88,8 @@ def gguf_stored_shapes(gguf_path: str | Path, config: ModelConfig, dtype: str | 
             form = stored[tensor.name]
             kernel = ((k // 2, out), jnp.uint8) if form.bits == 4 else ((k, out), jnp.int8)
             shapes[name] = jax.ShapeDtypeStruct(*kernel)
-            shapes.update({name[: name.rindex(".") + 1] + leaf: jax.ShapeDtypeStruct((k // form.group, out), jnp.float32)
-                           for leaf in leaves(form)})
+            shapes.update({name[: name.rindex(".") + 1] + leaf: jax.ShapeDtypeStruct(
+                (16,) if leaf == "grid" else (k // form.group, out), jnp.float32) for leaf in leaves(form)})
     return shapes
 
 

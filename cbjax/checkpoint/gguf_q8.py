@@ -23,9 +23,10 @@ dequantized, and its float16 factors become float32 scales (and mins).
         non-linear grid                                      -> kvalues[q], scales d (d (ls_j - 32)) (G 32)
 Q5_0 and Q5_1 are what llama.cpp writes where a K-quant's superblock of 256 does not divide a row (its Q4_K_M
 and Q5_K_M of SmolLM2: every projection but the down ones); held as int8 they take 1.125 (1.25 with mins) bytes
-a weight against the file's 0.69 (0.75) and float32's 4, and run the int8 kernel. The 2-, 3- and non-linear
-4-bit types (Q2_K, Q3_K: llama.cpp's smallest files; IQ4_NL where they fall back; IQ4_XS) take more bytes as
-int8 than in the file (1.125-1.5 a weight against 0.33-0.56), a third of float32's.
+a weight against the file's 0.69 (0.75) and float32's 4, and run the int8 kernel. The 2- and 3-bit types (Q2_K,
+Q3_K: llama.cpp's smallest files) take more bytes as int8 than in the file (1.125-1.5 a weight against 0.33-0.44),
+a third of float32's. IQ4_NL and IQ4_XS are held as 4-bit nibbles indexing their grid (gguf_forms.py,
+`gguf_iq4_indices`), and as int8 (their grid's values) only in a fused kernel beside other types.
 (llama.cpp's ggml-quants.c; the `gguf` package's dequantize is the reference the tests hold them to: it forms
 d * sc_j in float32 first too, so the two products are the same float32 numbers.)
 """
@@ -115,21 +116,46 @@ def _q2_k(blocks):
     return q, _f16(blocks, 80) * (sc & 0x0F).astype(np.float32), -(_f16(blocks, 82) * (sc >> 4).astype(np.float32))
 
 
+def _iq4_nl_indices(blocks):
+    """d, 16 bytes of nibbles (low, then high): each value's index into IQ4_VALUES, and d."""
+    return _bits(blocks[:, None, 2:], 4, 2), _f16(blocks, 0)
+
+
+def _iq4_xs_indices(blocks):
+    """d, 2 bytes of ls_j's high bit pairs, 4 of their low nibbles, 128 of nibbles (16 bytes a sub-block of 32: low
+    nibbles, then high): each value's index into IQ4_VALUES, and d (ls_j - 32) per sub-block."""
+    ls = _bits(blocks[:, 4:8].reshape(-1, 1, 4), 4, 2).reshape(-1, 2, 4).transpose(0, 2, 1).reshape(-1, 8)
+    ls |= (blocks[:, 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))).astype(np.uint8) % 4 << 4
+    return _bits(blocks[:, 8:].reshape(-1, 8, 16), 4, 2), _f16(blocks, 0) * (ls.astype(np.int8) - np.int8(32)).astype(np.float32)
+
+
 def _iq4_nl(blocks):
-    return IQ4_VALUES[_bits(blocks[:, None, 2:], 4, 2)], _f16(blocks, 0), None
+    indices, scales = _iq4_nl_indices(blocks)
+    return IQ4_VALUES[indices], scales, None
 
 
 def _iq4_xs(blocks):
-    """d, 2 bytes of ls_j's high bit pairs, 4 of their low nibbles, 128 of nibbles (16 bytes a sub-block of 32: low
-    nibbles, then high)."""
-    ls = _bits(blocks[:, 4:8].reshape(-1, 1, 4), 4, 2).reshape(-1, 2, 4).transpose(0, 2, 1).reshape(-1, 8)
-    ls |= (blocks[:, 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))).astype(np.uint8) % 4 << 4
-    q = IQ4_VALUES[_bits(blocks[:, 8:].reshape(-1, 8, 16), 4, 2)]
-    return q, _f16(blocks, 0) * (ls.astype(np.int8) - np.int8(32)).astype(np.float32), None
+    indices, scales = _iq4_xs_indices(blocks)
+    return IQ4_VALUES[indices], scales, None
 
 
 _UNPACK = {Q.Q8_0: _q8_0, Q.Q6_K: _q6_k, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q5_K: _q5_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
            Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}
+
+
+_INDICES = {Q.IQ4_NL: _iq4_nl_indices, Q.IQ4_XS: _iq4_xs_indices}
+
+
+def gguf_iq4_indices(
+    data: UInt8[np.ndarray, "rows nbytes"], qtype: GGMLQuantizationType, k: int,
+) -> tuple[UInt8[np.ndarray, "rows k"], Float[np.ndarray, "rows groups"]]:
+    """An IQ4_NL or IQ4_XS tensor's raw rows -> (each value's index into IQ4_VALUES [rows, k], float32 scales
+    [rows, k / 32]) with w = IQ4_VALUES[index] * scales per group: the file's own nibbles (gguf_forms.py holds
+    them as 4-bit nibbles indexing that grid)."""
+    if qtype not in _INDICES:
+        raise ValueError(f"GGUF type {qtype.name} does not index IQ4's grid; those that do are {[t.name for t in _INDICES]}")
+    indices, scales = _INDICES[qtype](np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES[qtype]))
+    return indices.reshape(data.shape[0], k), scales.reshape(data.shape[0], k // INT8_GROUPS[qtype])
 
 
 def gguf_int8_groups(

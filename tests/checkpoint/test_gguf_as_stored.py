@@ -16,7 +16,7 @@ from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
 from test_gguf_import import QUANT_TYPES, real_gguf_path, write_tiny_llama_gguf
 from test_packed_matmul import forward_logits, model_logits
 from tokenizers import Tokenizer
@@ -39,10 +39,12 @@ SMOLLM2_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "smol
 AS_STORED_TYPES = {**QUANT_TYPES, "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q4_0,
                    "attn_output.weight": Q.Q5_0, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0}
 
-# llama.cpp's Q5_K_M where 256 does not divide a row: Q5_1 (int8 with mins) everywhere but v (Q8_0), so q/k/v is
-# held in their common int8 form with mins; gate 4-bit beside an int8 up likewise; a Q5_1 embedding-head.
-MIXED_TYPES = {"token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q5_1, "attn_k.weight": Q.Q5_1, "attn_v.weight": Q.Q8_0,
-               "attn_output.weight": Q.Q5_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q5_1}
+# q/k/v of three forms (4-bit Q4_1, Q5_1 int8 with mins, Q8_0 int8) held in their common int8 form with mins, as
+# llama.cpp's K-quant mixes need; IQ4_NL o and gate/up as 4-bit nibbles indexing IQ4's grid (the fused one sharing
+# it); Q5_1 down and embedding-head.
+MIXED_TYPES = {"token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q5_1, "attn_v.weight": Q.Q8_0,
+               "attn_output.weight": Q.IQ4_NL, "ffn_gate.weight": Q.IQ4_NL, "ffn_up.weight": Q.IQ4_NL,
+               "ffn_down.weight": Q.Q5_1}
 
 
 # Types the gguf package has no quantizer for -> the byte offsets of each block's float16 factors (d, dmin), as
@@ -70,12 +72,12 @@ def random_tensor(rng: np.random.Generator, qtype: Q, out: int, k: int) -> np.nd
 def held_weight(arrays: dict[str, np.ndarray], form: Form) -> np.ndarray:
     """The float64 [in, out] weight that stored_arrays' kernel, scales and mins stand for."""
     if form.bits == 4:
-        return dequantize_int4(arrays["kernel"], arrays["scales"], arrays["mins"])
+        return dequantize_int4(arrays["kernel"], arrays["scales"], arrays["mins"], arrays.get("grid"))
     weight = arrays["kernel"].astype(np.float64) * np.repeat(arrays["scales"].astype(np.float64), form.group, axis=0)
     return weight + (np.repeat(arrays["mins"].astype(np.float64), form.group, axis=0) if form.mins else 0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q3_K])
 def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     rng = np.random.default_rng()
     out, k = 40, 512
@@ -91,8 +93,9 @@ def test_int8_tensors_repack_to_exactly_what_ggufs_dequantizer_reads(qtype):
     np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, form.group, axis=0), reference[:, order])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q2_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS])
 def test_tensors_with_mins_repack_to_what_ggufs_dequantizer_reads(qtype):
+    """4-bit forms (IQ4's with its grid [16] of values the nibbles index, and zero mins) and int8 with mins."""
     rng = np.random.default_rng()
     out, k = 40, 512
     data = random_tensor(rng, qtype, out, k)
@@ -104,6 +107,7 @@ def test_tensors_with_mins_repack_to_what_ggufs_dequantizer_reads(qtype):
     assert form.mins and arrays["kernel"].shape == kernel_shape
     assert arrays["scales"].shape == arrays["mins"].shape == (k // form.group, out)
     assert arrays["kernel"].dtype == (np.uint8 if form.bits == 4 else np.int8)
+    assert ("grid" in arrays) == (qtype in (Q.IQ4_NL, Q.IQ4_XS)) == form.grid
     # gguf rounds d * q (+ m) in float32; the form is exact in float64
     np.testing.assert_allclose(held_weight(arrays, form), reference[:, order], rtol=2**-23, atol=1e-30)
 
@@ -127,7 +131,7 @@ def test_a_fused_kernel_stays_quantized_if_all_its_parts_do_in_one_form_that_hol
     parts of one form keep it; parts of different forms share int8 in the largest group dividing theirs, with
     mins where any part has them."""
     slots = {"embd": "model.embed_tokens.embedding", "head": "lm_head.kernel", "norm": "model.norm.scale"}
-    for layer in range(5):
+    for layer in range(6):
         slots.update({f"{part}{layer}": f"model.layers.{layer}.{kind}.{part}_proj.kernel"
                       for kind, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up"))) for part in parts})
     types = {"embd": Q.Q8_0, "head": Q.Q6_K, "norm": Q.F32,
@@ -137,7 +141,9 @@ def test_a_fused_kernel_stays_quantized_if_all_its_parts_do_in_one_form_that_hol
              # llama.cpp's Q4_K_M where 256 does not divide a row: Q5_0 beside Q8_0, both int8 groups of 32
              "q3": Q.Q5_0, "k3": Q.Q5_0, "v3": Q.Q8_0, "o3": Q.Q5_0, "gate3": Q.Q5_0, "up3": Q.Q6_K,
              # its Q5_K_M there: Q5_1 q/k beside a Q8_0 v; a 7B's Q4_K_M: Q4_K q/k beside a Q6_K v
-             "q4": Q.Q5_1, "k4": Q.Q5_1, "v4": Q.Q8_0, "o4": Q.Q5_K, "gate4": Q.Q4_K, "up4": Q.Q6_K}
+             "q4": Q.Q5_1, "k4": Q.Q5_1, "v4": Q.Q8_0, "o4": Q.Q5_K, "gate4": Q.Q4_K, "up4": Q.Q6_K,
+             # its IQ4_XS there: IQ4_NL's grid beside a Q8_0 v is int8 (with IQ4's zero mins), beside itself 4-bit
+             "q5": Q.IQ4_NL, "k5": Q.IQ4_NL, "v5": Q.Q8_0, "o5": Q.IQ4_NL, "gate5": Q.IQ4_NL, "up5": Q.IQ4_NL}
     kept = _kept_as_stored(types, slots)
     assert set(kept) == set(types) - {"norm", "q0", "k0", "v0"}
     int8 = lambda group, mins: Form(8, group, mins)  # noqa: E731
@@ -147,6 +153,7 @@ def test_a_fused_kernel_stays_quantized_if_all_its_parts_do_in_one_form_that_hol
     assert kept["q3"] == kept["v3"] == kept["o3"] == int8(32, False) and kept["up3"] == int8(16, False)
     assert kept["q4"] == kept["v4"] == kept["o4"] == int8(32, True) and kept["up4"] == int8(16, True)
     assert kept["head"] == int8(16, False) and kept["embd"] == int8(32, False)
+    assert kept["q5"] == kept["v5"] == int8(32, True) and kept["o5"] == kept["gate5"] == Form(4, 32, True, grid=True)
 
 
 def stored_and_imported(root: Path, quant_types: dict) -> tuple[Path, Path]:
@@ -201,17 +208,20 @@ def test_tiny_gguf_as_stored_gives_the_float_imports_logits(tiny_gguf, caplog):
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the C++ kernels are XLA:CPU custom calls")
-def test_tiny_gguf_with_mins_and_mixed_fused_kernels_as_stored_gives_the_float_imports_logits(tiny_mixed_gguf, caplog):
-    """Every projection and the embedding-head of MIXED_TYPES kept as stored: Q5_1 as int8 with mins, q/k/v and
-    gate/up (parts of different types) in one int8 form with mins each."""
+def test_tiny_gguf_with_mins_grids_and_mixed_fused_kernels_as_stored_gives_the_float_imports_logits(tiny_mixed_gguf, caplog):
+    """Every projection and the embedding-head of MIXED_TYPES kept as stored: Q5_1 as int8 with mins, q/k/v (parts
+    of three forms) in one int8 form with mins, IQ4_NL as nibbles with IQ4's grid."""
     stored, imported = tiny_mixed_gguf
     with caplog.at_level(logging.INFO, logger="cbjax.checkpoint.gguf_params"):
         packed, _ = load_model(stored, pack_for_cpu=True, fused_projections=True)
-    assert ("15 tensors kept quantized (9 Q5_1, 4 Q8_0, 2 Q4_1); dequantized to float32 at load: 5 F32 ("
-            in caplog.text)
+    assert "15 tensors kept quantized (" in caplog.text and "dequantized to float32 at load: 5 F32 (" in caplog.text
+    assert all(f"{count} {kind}" in caplog.text for kind, count in (("Q5_1", 5), ("Q4_1", 2), ("Q8_0", 2), ("IQ4_NL", 6)))
     for layer in packed.model.layers:
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
             assert module.kernel[...].dtype == np.int8 and module.mins[...].shape == module.scales[...].shape
+        for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert module.kernel[...].dtype == np.uint8
+            np.testing.assert_array_equal(module.grid[...], np.array(IQ4_NL.kvalues, np.float32))
     embed = packed.model.embed_tokens
     assert embed.embedding[...].dtype == np.int8 and embed.mins[...].shape == embed.scales[...].shape
     assert_the_float_imports_logits(stored, imported, packed)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -153,7 +153,7 @@ def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama
         if kind in ("attn_q.weight", "attn_k.weight"):
             stored = llama_cpp_permute(weight, HEADS if kind == "attn_q.weight" else KV_HEADS)
         qtype = quant_types.get(kind, GGMLQuantizationType.F32)
-        data = quantize(stored, qtype)
+        data = quantize_iq4_nl(stored) if qtype == GGMLQuantizationType.IQ4_NL else quantize(stored, qtype)
         writer.add_tensor(name, data, raw_dtype=qtype)
         # The importer's answer: the HF layout of exactly what the file holds.
         expected[hf_name] = weight if qtype == GGMLQuantizationType.F32 else _hf_layout_of(dequantize(data, qtype), kind)
@@ -162,6 +162,17 @@ def write_tiny_llama_gguf(path, *, tied: bool = True, architecture: str = "llama
     writer.write_tensors_to_file()
     writer.close()
     return expected
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """[rows, k] -> IQ4_NL rows (the gguf package has no IQ4_NL quantizer): per block of 32, d = max |w| / 127 and
+    each value the nearest of d times IQ4_NL's 16 grid values; laid out as ggml's block_iq4_nl (d, then byte j
+    holding value j's index in its low nibble and value j + 16's in its high one)."""
+    blocks = w.reshape(-1, 32).astype(np.float32)
+    d = np.where(np.abs(blocks).max(1, keepdims=True) > 0, np.abs(blocks).max(1, keepdims=True) / 127, 1).astype(np.float16)
+    grid = np.array(IQ4_NL.kvalues, np.float32)
+    index = np.abs(blocks[:, :, None] - d.astype(np.float32)[:, :, None] * grid).argmin(-1).astype(np.uint8)
+    return np.concatenate([d.view(np.uint8), index[:, :16] | (index[:, 16:] << 4)], axis=1).reshape(w.shape[0], -1)
 
 
 def _hf_layout_of(stored: np.ndarray, kind: str) -> np.ndarray:

@@ -173,6 +173,16 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
         out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
             x, pack_weight(nibbles), scales, mins)
         np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins), rtol=1e-4, atol=1e-4)
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4Grid_test_{tag}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4Grid),
+                                platform="cpu")
+    grid = np.sort(np.random.default_rng(0).uniform(-127, 127, 16)).astype(np.float32)  # nibbles index a grid (IQ4)
+    for rows, k, n in [(1, 64, 31), (9, 576, 96)]:
+        x, w, _ = product(np.random.default_rng(rows), rows, k, n)
+        nibbles, scales, mins = quantize_int4(w, group_size=32)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulQ4Grid_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(nibbles), scales, mins, grid)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins, grid), rtol=1e-4,
+                                   atol=1e-3)
     if march == "x86-64-v3":  # the other builds compile the attention's AVX-512 code, as the default one does
         assert_build_attends_like_reference(library, tag)
 

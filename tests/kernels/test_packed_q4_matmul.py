@@ -57,6 +57,49 @@ def test_q4_kernel_and_its_reference_match_float64_within_the_derived_bound(rows
         assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
 
 
+def grid_product(rng: np.random.Generator, rows, k: int, group: int, n: int):
+    """As q4_product, with the nibbles indexing a random grid of 16 values of either sign (IQ4's kind: not 0..15)."""
+    x, nibbles, scales, mins, _, _ = q4_product(rng, rows, k, group, n)
+    grid = np.sort(rng.uniform(-127, 127, 16)).astype(np.float32)
+    q = grid.astype(np.float64)[np.stack([nibbles & 0x0F, nibbles >> 4], 1).reshape(k, n)]
+    w = q * np.repeat(scales.astype(np.float64), group, 0) + np.repeat(mins.astype(np.float64), group, 0)
+    magnitude = np.abs(q) * np.repeat(np.abs(scales.astype(np.float64)), group, 0) + np.repeat(np.abs(mins), group, 0)
+    bound = (2 * group + 2 * (k // group) + 4) * 2.0**-24 * (np.abs(x) @ magnitude) + 1e-30
+    return x, nibbles, scales, mins, grid, x.astype(np.float64) @ w, bound
+
+
+@pytest.mark.parametrize("rows,k,group,n", SHAPES)
+def test_q4_kernel_on_a_grid_and_its_reference_match_float64_within_the_derived_bound(rows, k, group, n):
+    """CbjaxPackedMatmulQ4Grid: w = scales * grid[q] + mins (the grid's values are not small integers, but each
+    product x * grid[q] still rounds once per FMA, so the same bound holds over |grid[q]|)."""
+    x, nibbles, scales, mins, grid, expected, bound = grid_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(nibbles)
+    for out in (kernel(x, packed, scales, mins, grid), reference(x, packed, scales, mins, grid),
+                int4_matmul(x, nibbles, scales, mins, grid)):
+        out = np.asarray(out, np.float64)
+        assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+    # dequantize_int4 reads the grid too: the same float64 weight
+    np.testing.assert_allclose(x.astype(np.float64) @ dequantize_int4(nibbles, scales, mins, grid), expected, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_the_identity_grid_gives_the_plain_kernels_sums_bit_for_bit_and_rows_stay_batch_invariant():
+    """A grid of 0..15 is the plain 4-bit form: the same bits at one row and many; and on any grid each row of a
+    64-row call equals that row alone."""
+    rng = np.random.default_rng()
+    x, nibbles, scales, mins, grid, _, _ = grid_product(rng, 64, 384, 32, 100)
+    packed = pack_weight(nibbles)
+    identity = np.arange(16, dtype=np.float32)
+    for rows in (1, 64):
+        np.testing.assert_array_equal(np.asarray(kernel(x[:rows], packed, scales, mins, identity)),
+                                      np.asarray(kernel(x[:rows], packed, scales, mins)))
+    whole = np.asarray(kernel(x, packed, scales, mins, grid))
+    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales, mins, grid))[0] for row in range(64)])
+    np.testing.assert_array_equal(alone, whole)
+    with pytest.raises(ValueError, match=r"and grid \(15,\)"):
+        packed_matmul_cpu(x, packed, scales, mins, grid[:15])
+
+
 @pytest.mark.parametrize("rows,k,group,n", [(1, 576, 32, 960), (7, 128, 128, 64), (64, 256, 64, 96),
                                             ((2, 3), 64, 32, 32)])
 def test_scales_and_mins_packed_by_panel_give_the_same_sums(rows, k, group, n):

@@ -115,7 +115,8 @@ def test_int4_weights_split_with_their_group_scales_give_tp1_logits(findings):
 
 
 def test_gguf_as_stored_splits_its_4bit_projections_and_gives_tp1_logits(findings):
-    """A tiny GGUF served as stored (gate/up Q4_1/Q4_0 kept 4-bit in groups of 32; q/k Q4_0/Q4_1 beside a Q8_0 v,
+    """A tiny GGUF served as stored (gate/up IQ4_NL kept 4-bit in groups of 32, each with IQ4's grid whole on every
+    device; q/k Q4_0/Q4_1 beside a Q8_0 v,
     and o Q5_1, kept as int8 groups of 32 with mins, o's each device's 32 input rows one group; down_proj F16;
     the Q8_0 embedding dequantized, as under TP the vocabulary split takes a float table) at TP=2 gives its TP=1
     logits (which equal its float import's: test_gguf_as_stored.py). Hidden 64, intermediate 96, 4 heads of 16,
@@ -130,6 +131,7 @@ def test_gguf_as_stored_splits_its_4bit_projections_and_gives_tp1_logits(finding
     for module, (dtype, kernel, groups) in want_shards.items():
         assert weights[f"{module}.kernel"]["dtype"] == dtype and weights[f"{module}.kernel"]["shard_shapes"] == [kernel]
         assert weights[f"{module}.scales"]["shard_shapes"] == weights[f"{module}.mins"]["shard_shapes"] == [groups]
+    assert weights["mlp.gate_proj.grid"]["shard_shapes"] == weights["mlp.up_proj.grid"]["shard_shapes"] == [[16]]
     assert weights["mlp.down_proj.kernel"]["dtype"] == "float32" and weights["mlp.down_proj.kernel"]["shard_shapes"] == [[48, 64]]
     assert runs["2"]["weights"]["model.embed_tokens.embedding"]["dtype"] == "float32"
 

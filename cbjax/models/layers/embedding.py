@@ -32,16 +32,18 @@ def dequantized_columns(
     kernel: Array, quantized: list[Array], columns: Int[Array, "tokens"],
 ) -> Float[Array, "tokens hidden"]:
     """Columns `columns` of a quantized [in, out] kernel (int8 [in, out] or nibbles [in / 2, out], or their
-    panels [ceil(out / 32), ., 32]) with its scales (and mins, unpacked or packed by panel), dequantized to
-    float32, one row per column."""
+    panels [ceil(out / 32), ., 32]) with its scales (and mins, unpacked or packed by panel; and a grid [16] its
+    nibbles index), dequantized to float32, one row per column."""
     if kernel.ndim == 3:  # panel p holds columns 32p..32p+31
         q = kernel[columns // PANEL, :, columns % PANEL]
     else:
         q = kernel[:, columns].T
     if kernel.dtype == jnp.uint8:  # byte s holds inputs 2s (low nibble) and 2s + 1 (high)
         q = jnp.stack([q & 0x0F, q >> 4], axis=-1).reshape(q.shape[0], -1)
+    grid = quantized[2] if len(quantized) == 3 else None  # (scales, mins, grid): linear.BESIDE's order
+    q = q if grid is None else grid.astype(jnp.float32)[q]
     scales, *mins = (leaf[columns // PANEL, :, columns % PANEL].T if leaf.ndim == 3 else leaf[..., columns]
-                     for leaf in quantized)  # 3-D: 4-bit scales or mins packed by panel (kernels_cpu.pack_group_rows)
+                     for leaf in quantized[:2])  # 3-D: 4-bit scales or mins packed by panel (kernels_cpu.pack_group_rows)
     if scales.ndim == 1:  # int8 per output column
         return q.astype(jnp.float32) * scales[:, None]
     group = q.shape[1] // scales.shape[0]

@@ -18,9 +18,10 @@ from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> its unpacked product: int8 q [in, out] with scales [out] or [in / G, out] (GGUF's
 # Q8_0, Q6_K, Q5_0, ...), and mins [in / G, out] too (GGUF's Q5_1, Q5_K, Q2_K); 4-bit nibbles [in / 2, out] with
-# scales and mins [in / G, out] (GGUF's 4-bit tensors too).
+# scales and mins [in / G, out] (GGUF's 4-bit tensors too) and maybe a grid [16] of the values its nibbles index
+# (GGUF's IQ4_NL, IQ4_XS).
 QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul}
-BESIDE = ("scales", "mins")  # the parameters a quantized kernel may have beside it, in the products' argument order
+BESIDE = ("scales", "mins", "grid")  # the parameters a quantized kernel may have beside it, in the products' order
 
 
 def beside_values(module: nnx.Module) -> list[Array]:
@@ -104,7 +105,7 @@ def float_equivalent_bytes(params: dict[str, Array], dtype: jnp.dtype) -> int:
     for name, array in params.items():
         prefix, _, leaf = name.rpartition(".")
         quantized = array.dtype in QUANTIZED_KERNELS and f"{prefix}.scales" in params
-        if leaf in ("scales", "mins") and (f"{prefix}.kernel" in params or f"{prefix}.embedding" in params):
+        if leaf in BESIDE and (f"{prefix}.kernel" in params or f"{prefix}.embedding" in params):
             continue
         if not quantized:
             total += array.nbytes
@@ -229,9 +230,14 @@ def fuse_projections(params: dict[str, np.ndarray], num_layers: int) -> dict[str
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
         for fused, parts in FUSED_PROJECTIONS.items():
-            for leaf, axis in (("kernel", 1), ("bias", 0), ("scales", -1), ("mins", -1)):  # 4-bit: [groups, out]
-                names = [f"{prefix}{part}.{leaf}" for part in parts]
-                if all(name in params for name in names):
+            for leaf, axis in (("kernel", 1), ("bias", 0), ("scales", -1), ("mins", -1), ("grid", None)):
+                names = [f"{prefix}{part}.{leaf}" for part in parts]  # scales and mins: [groups, out]
+                if all(name in params for name in names) and axis is None:  # one grid the parts share (gguf_forms.py)
+                    grids = [params.pop(name) for name in names]
+                    if any(not np.array_equal(grid, grids[0]) for grid in grids):
+                        raise ValueError(f"fuse_projections: {', '.join(names)} index different grids; a fused kernel has one")
+                    params[f"{prefix}{fused}.{leaf}"] = grids[0]
+                elif all(name in params for name in names):
                     params[f"{prefix}{fused}.{leaf}"] = np.concatenate([params.pop(name) for name in names], axis=axis)
                 elif any(name in params for name in names):
                     raise ValueError(f"fuse_projections: {', '.join(n for n in names if n not in params)} missing beside "

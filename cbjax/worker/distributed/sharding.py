@@ -107,6 +107,8 @@ class TensorParallel:
             return self._lora_spec(parts[parts.index("lora") - 1], parts[parts.index("lora") + 1], len(shape))
         if self.expert_parallel and is_expert_kernel(tuple(parts)):
             return P(MODEL_AXIS, None, None)  # whole experts per device
+        if leaf == "grid":  # the 16 values a 4-bit kernel's nibbles index: every device's whole
+            return P()
         stacked = (None,) * (len(shape) - 2) if leaf == "kernel" else ()  # a MoE layer's experts: [E, in, out]
         if module in self.plan.column_parallel:  # kernels, biases and scales/mins ([out] or [groups, out]) by columns
             return P(*stacked, None, MODEL_AXIS) if leaf == "kernel" else P(*(None,) * (len(shape) - 1), MODEL_AXIS)
