@@ -1,12 +1,13 @@
 """The form each GGUF tensor kept as stored takes in the model, and the arrays of that form.
 
-A form is (bits, group, mins): 4-bit nibbles with scales and mins per group of 32 (gguf_q4.py: Q4_0, Q4_1,
+A form is (bits, group, mins, grid): 4-bit nibbles with scales and mins per group of 32 (gguf_q4.py: Q4_0, Q4_1,
 Q4_K; IQ4_NL and IQ4_XS with their nibbles indexing IQ4's 16-value grid), or int8 with scales per group of 32 or
-16, and mins where the type has them (gguf_q8.py: Q8_0, Q5_0, Q6_K, Q3_K; Q5_1, Q5_K, Q2_K with mins). A fused kernel (q/k/v, gate/up) has one form, and llama.cpp's K-quant mixes
-give its parts different types: its Q4_K_M keeps v_proj in Q6_K on some layers beside Q4_K q and k, its Q5_K_M
-keeps v in Q8_0 beside Q5_1 q and k where 256 does not divide a row. Such parts share the int8 form that
-holds each of them exactly (`common_form`): a 4-bit part's q widened to int8, scales (and mins) repeated where
-the group is smaller, zero mins where a part has none. Each weight stays the file's own q * scale + min.
+16, and mins where the type has them (gguf_q8.py: Q8_0, Q5_0, Q6_K, Q3_K; Q5_1, Q5_K, Q2_K with mins). A fused
+kernel (q/k/v, gate/up) has one form, and llama.cpp's K-quant mixes give its parts different types: its Q4_K_M
+keeps v_proj in Q6_K on some layers beside Q4_K q and k, its Q5_K_M keeps v in Q8_0 beside Q5_1 q and k where 256
+does not divide a row. Such parts share the int8 form that holds each of them exactly (`common_form`): a 4-bit
+part's q (or IQ4's grid value) widened to int8, scales (and mins) repeated where the group is smaller, zero mins
+where a part has none. Each weight stays the file's own q * scale + min.
 """
 
 from __future__ import annotations
