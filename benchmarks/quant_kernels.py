@@ -6,8 +6,8 @@
 SmolLM2-135M's 30 layers of projections (benchmarks/decode_dots_bandwidth.py's `projections`: q/k/v,
 o, gate/up, down, weights [in, out]) through `packed_matmul_cpu` with the weights packed as the engine
 packs them: float32 panels; int8 panels with one scale per column (quantization="int8") or per group of
-32 inputs (GGUF's Q8_0), and with mins per group too ("int8-g32-mins": GGUF's Q5_1, Q5_K); 4-bit nibble panels with scales and mins per group of 32 (quantization="int4-g32",
-GGUF's Q4_0/Q4_1), their scales and mins packed by panel as the engine packs them where N is whole panels
+32 inputs (GGUF's Q8_0), and with mins per group too ("int8-g32-mins": GGUF's Q5_1, Q5_K); 4-bit nibble
+panels with scales and mins per group of 32 (quantization="int4-g32", GGUF's Q4_0/Q4_1), their scales and mins packed by panel as the engine packs them where N is whole panels
 ("int4-g32-rows": left as rows [K / G, N], as the kernel also takes them). The weights are random (the
 kernels' speed does not depend on the values). At each of --rows the kernels are timed alternately, --rounds
 times (median of --calls each), in one process, so that load from other processes falls on all alike;

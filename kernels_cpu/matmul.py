@@ -7,8 +7,8 @@ odd K), the pairs the bf16 dot instruction multiplies; x is then rounded to bflo
 products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) does. Only widths
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
 float32 scales [N], or [K / G, N] for a scale per group of G inputs, with mins [K / G, N] beside them
-for GGUF's types that have them) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and the kernel widens it to float32 as it goes: a quarter of
-float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
+for GGUF's types that have them) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and
+the kernel widens it to float32 as it goes: a quarter of float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
 and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
 32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes. Where N is a whole number of
 panels the engine packs their scales and mins too (`pack_group_rows`), as [N / 32, K / G, 32]: each panel's
@@ -141,10 +141,11 @@ def packed_matmul_cpu(
     ):
         raise ValueError(
             f"packed_matmul_cpu: x {x.shape} does not match a packed weight {dtype} {packed.shape} with scales "
-            f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape}{'' if grid is None else f' and grid {grid.shape}'} (float32 "
-            f"[N / {PANEL}, K, {PANEL}] or bfloat16 [N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 "
-            f"[ceil(N / {PANEL}), K, {PANEL}] with scales [N] or [K / G, N], and mins of grouped scales' shape or none; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] with scales "
-            f"and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}], and a grid [16] or none)"
+            f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape}"
+            f"{'' if grid is None else f' and grid {grid.shape}'} (float32 [N / {PANEL}, K, {PANEL}] or bfloat16 "
+            f"[N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 [ceil(N / {PANEL}), K, {PANEL}] with scales "
+            f"[N] or [K / G, N], and mins of grouped scales' shape or none; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] "
+            f"with scales and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}], and a grid [16] or none)"
         )
     if dtype == jnp.int8 and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])

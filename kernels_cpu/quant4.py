@@ -2,8 +2,8 @@
 with q in 0..15 and g = k // G (groups of G consecutive inputs per output column). GGUF's Q4_0, Q4_1 and
 Q4_K map onto it exactly (cbjax/checkpoint/gguf_q4.py); `quantize_int4` makes it from any float weight
 (quantization="int4"). A form may also carry a grid [16]: w = scales * grid[q] + mins, the nibbles indexing 16
-given values (GGUF's IQ4_NL and IQ4_XS, a non-linear grid, with mins 0). q is stored as nibbles u8 [K / 2, N]: byte (s, n) holds q[2s, n] in its low
-nibble and q[2s + 1, n] in its high one; kernels_cpu.pack_weight cuts that into 32-column panels.
+given values (GGUF's IQ4_NL and IQ4_XS, a non-linear grid, with mins 0). q is stored as nibbles u8 [K / 2, N]:
+byte (s, n) holds q[2s, n] in its low nibble and q[2s + 1, n] in its high one; kernels_cpu.pack_weight cuts that into 32-column panels.
 
 The product never makes float weights: y[n] = sum_g scales[g, n] * (sum_{k in g} x_k q[k, n])
 + mins[g, n] * (sum_{k in g} x_k), the C++ kernel's sum and `int4_matmul`'s (its jnp form, any platform).

@@ -54,6 +54,13 @@ def leaves(form: Form) -> tuple[str, ...]:
     return tuple(leaf for leaf, held in (("scales", True), ("mins", form.mins), ("grid", form.grid)) if held)
 
 
+def stored_shapes(form: Form, k: int, out: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The (shape, dtype) of each array stored_arrays makes of a tensor [out, k] in `form`, by leaf."""
+    kernel = ((k // 2, out), np.dtype(np.uint8)) if form.bits == 4 else ((k, out), np.dtype(np.int8))
+    return {"kernel": kernel, **{leaf: ((16,) if leaf == "grid" else (k // form.group, out), np.dtype(np.float32))
+                                 for leaf in leaves(form)}}
+
+
 def stored_arrays(
     data: UInt8[np.ndarray, "out nbytes"], qtype: GGMLQuantizationType, k: int, form: Form,
     column_order: np.ndarray | None = None,

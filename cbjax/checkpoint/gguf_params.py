@@ -26,7 +26,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from cbjax.checkpoint.gguf_import import gguf_names, hf_tensor_name, rope_heads, unpermute_rope_rows
-from cbjax.checkpoint.gguf_forms import STORED_FORMS, Form, common_form, leaves, stored_arrays
+from cbjax.checkpoint.gguf_forms import STORED_FORMS, Form, common_form, stored_arrays, stored_shapes
 from cbjax.checkpoint.params import check_params, expected_params, hf_to_params
 from cbjax.models.config import ModelConfig
 from cbjax.models.layers.linear import FUSED_PROJECTIONS, is_head_or_embedding, is_quantized_projection
@@ -51,10 +51,9 @@ def read_gguf_params(gguf_path: str | Path, config: ModelConfig, dtype: str,
         heads = rope_heads(tensor.name, config.num_attention_heads, config.num_key_value_heads)
         if tensor.name in stored:
             name, (out, k) = slots[tensor.name], shape
-            prefix = name[: name.rindex(".") + 1]
             order = None if heads is None else unpermute_rope_rows(np.arange(out), heads)
             arrays = stored_arrays(tensor.data, tensor.tensor_type, k, stored[tensor.name], order)
-            params.update({name if leaf == "kernel" else prefix + leaf: array for leaf, array in arrays.items()})
+            params.update({_param_name(name, leaf): array for leaf, array in arrays.items()})
             logical[name] = (shape if name.endswith(".embedding") else (k, out), jnp.dtype(dtype))
             kept[tensor.tensor_type.name] += 1
             continue
@@ -85,12 +84,15 @@ def gguf_stored_shapes(gguf_path: str | Path, config: ModelConfig, dtype: str | 
             name = slots[tensor.name]
             out, k = (int(d) for d in reversed(tensor.shape))
             del shapes[name]  # the float tensor it stands for, replaced by the leaves it is kept as
-            form = stored[tensor.name]
-            kernel = ((k // 2, out), jnp.uint8) if form.bits == 4 else ((k, out), jnp.int8)
-            shapes[name] = jax.ShapeDtypeStruct(*kernel)
-            shapes.update({name[: name.rindex(".") + 1] + leaf: jax.ShapeDtypeStruct(
-                (16,) if leaf == "grid" else (k // form.group, out), jnp.float32) for leaf in leaves(form)})
+            shapes.update({_param_name(name, leaf): jax.ShapeDtypeStruct(*spec)
+                           for leaf, spec in stored_shapes(stored[tensor.name], k, out).items()})
     return shapes
+
+
+def _param_name(kernel_name: str, leaf: str) -> str:
+    """The parameter a stored tensor's leaf (gguf_forms: "kernel", "scales", ...) becomes: the kernel's (or
+    embedding's) own name, the others beside it."""
+    return kernel_name if leaf == "kernel" else kernel_name[: kernel_name.rindex(".") + 1] + leaf
 
 
 def check_as_stored(model_dir: Path, quantization: str | None) -> None:

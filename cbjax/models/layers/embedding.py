@@ -1,7 +1,7 @@
 """The token embedding kept quantized, as its LM head's kernel (issue 38): a GGUF file's Q8_0 table, or a
 quantized head (`quantize_lm_head`), is held once, as the [hidden, vocab] kernel the head multiplies
-(int8 q with scales [vocab] or [hidden / G, vocab] and maybe mins alike, or 4-bit nibbles with scales and mins [hidden / G, vocab];
-unpacked, or in 32-column panels for the C++ matmul). The head multiplies it as any quantized projection
+(int8 q with scales [vocab] or [hidden / G, vocab] and maybe mins alike, or 4-bit nibbles with scales and mins
+[hidden / G, vocab] and maybe a grid; unpacked, or in 32-column panels for the C++ matmul). The head multiplies it as any quantized projection
 (layers/linear.kernel_product); the embedding gathers the columns of the tokens it looks up and dequantizes
 only those: never a float copy of the table.
 """

@@ -35,8 +35,8 @@ class Linear(nnx.Linear):
     `pack_linears`, or int8 panels by `quantize_linears`): then the product is the C++ kernel's where
     the plan runs the C++ kernels, else its jnp reference. An int8 kernel (with `scales` [out] set by
     `quantize_linears`, or [in / G, out] and maybe `mins` from a GGUF file) is multiplied as (x @ q) * scales
-    (group by group), a 4-bit one (uint8 nibbles with `scales` and `mins`) group by group (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is
-    nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
+    (group by group), a 4-bit one (uint8 nibbles with `scales` and `mins`, maybe a `grid`) group by group
+    (kernels_cpu/quant4.py). An unpacked float kernel ([in, out]) is nnx.Linear's dot. With LoRA slots (layers/lora.py's attach_lora), each token's adapter update is added
     to the product."""
 
     lora = None  # layers/lora.LoRASlots where attach_lora gave it slots
