@@ -24,8 +24,8 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # "auto": float32 on CPU (XLA:CPU's fastest), bfloat16 on GPU
     # The KV pool's dtype: "auto" (the activation dtype), "float32", "bfloat16", "float16" (halves float32's bytes), or
-    # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages, half float16's bytes, at scale 1.0 unless calculate_kv_scales
-    # (docs/caching.md, "fp8 KV cache").
+    # "fp8" (vLLM's alias "fp8_e4m3"): e4m3 pages, half float16's bytes, at the per-layer scales the checkpoint
+    # carries, else 1.0, unless calculate_kv_scales (docs/caching.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
     # With an fp8 kv_cache_dtype (vLLM's option): each layer's k_scale and v_scale computed at start-up from a
     # calibration step, max |K| / 200 and max |V| / 100 (worker/kv_scales.py), instead of 1.0: for models whose

@@ -3,6 +3,7 @@
 Output layout (`checkpoints/<name>/` by default):
     params/       orbax checkpoint: nested dict of parameters named by nnx path, in our layout
     config.json   the HF config, with "dtype" set to the dtype the params were written in
+    kv_scales.json  each layer's fp8 KV-cache scales, where the HF checkpoint has them
     tokenizer and generation files, copied unchanged when present
 """
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cbjax.checkpoint.kv_scale_tensors import kv_scale_slot, read_kv_scales, write_kv_scales
 from cbjax.checkpoint.layout import PARAMS_DIR
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params, stack_experts
 from cbjax.checkpoint.safetensors_io import count_tensors, iter_tensors, safetensors_files
@@ -44,10 +46,11 @@ def resolve_dtype(dtype: str | jnp.dtype | None, config: ModelConfig) -> str:
 
 
 def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: bool = True) -> dict[str, np.ndarray]:
-    """All parameters of an HF directory in our names, layout and dtype: one model copy, built tensor by tensor."""
+    """All parameters of an HF directory in our names, layout and dtype: one model copy, built tensor by tensor.
+    fp8 KV-cache scales are not parameters (read_kv_scales reads them)."""
     files = safetensors_files(hf_dir)
-    hf_tensors = tqdm(iter_tensors(files), total=count_tensors(files), desc=f"reading {hf_dir.name}",
-                      unit="tensor", disable=not progress)
+    hf_tensors = tqdm(((name, tensor) for name, tensor in iter_tensors(files) if kv_scale_slot(name) is None),
+                      total=count_tensors(files), desc=f"reading {hf_dir.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
     pieces = convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype))
     for name, array in stack_experts(pieces, config.num_experts, str(hf_dir)):
@@ -71,6 +74,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path | None = None, dt
     if params_dir.exists():
         raise FileExistsError(f"{params_dir} already exists; delete it or pass another out_dir")
 
+    kv_scales = read_kv_scales(hf_dir, config.num_hidden_layers)  # refused, where they must be, before the weights
     params = read_hf_params(hf_dir, config, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -85,4 +89,6 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path | None = None, dt
     for file_name in COPIED_FILES:
         if (hf_dir / file_name).is_file():
             shutil.copy2(hf_dir / file_name, out_dir / file_name)
+    if kv_scales is not None:
+        write_kv_scales(out_dir, kv_scales)
     return out_dir

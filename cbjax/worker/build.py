@@ -29,7 +29,7 @@ from cbjax.tokenizer.tokenizer import Tokenizer
 from cbjax.worker.compilation.compile_cache import enable_compile_cache
 from cbjax.worker.distributed import multihost
 from cbjax.worker.distributed.sharding import TensorParallel
-from cbjax.worker.kv_scales import calibrate_kv_scales
+from cbjax.worker.kv_scales import calibrate_kv_scales, use_checkpoint_kv_scales
 from cbjax.worker.model_runner import ModelRunner, kv_cache_dtype
 from cbjax.worker.spec.draft_model import DraftModelProposer
 from cbjax.worker.spec.drafter import Drafter
@@ -124,6 +124,7 @@ def build_worker(config: EngineConfig, *, precompile: bool = True, progress: boo
         block_size=config.block_size,
         wait_for_kernel=kernel_build is None,
     )
+    use_checkpoint_kv_scales(model, config.model, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.calculate_kv_scales:  # before the LoRA slots: the calibration step runs the base model alone
         mesh = None if tensor_parallel is None else tensor_parallel.mesh
         # The C++ kernel's build is waited for here (the runner falls back to "xla" where it failed, and so does this).

@@ -13,6 +13,9 @@ start-up with each layer's scales inside (static, `Attention.kv_scales`, as its 
 each layer is traced on its own already), so it takes them before compiling, from
 CALIBRATION_TEXTS run through the model as one prompt step into a float pool: the same post-RoPE K
 and the same V that a request's prompt would write.
+
+A checkpoint may carry its own scales (llm-compressor's, ModelOpt's: checkpoint/kv_scale_tensors.py); with an
+fp8 pool they are used as they are, as vLLM uses them, unless calculate_kv_scales asks for calculated ones.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +31,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from cbjax.checkpoint.kv_scale_tensors import read_kv_scales
 from cbjax.models.layers.attention import AttentionPlan
 from cbjax.models.layers.kv_pool import KVPool, init_kv_pool
 from cbjax.tokenizer.tokenizer import Tokenizer
+from cbjax.worker.model_runner import FP8_KV_CACHE_DTYPES
 from kernels_pallas.reference import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -129,6 +135,28 @@ def set_kv_scales(model: nnx.Module, scales: Sequence[tuple[float, float]]) -> N
         raise ValueError(f"{len(scales)} (k_scale, v_scale) pairs for a model of {len(layers)} layers")
     for layer, (k_scale, v_scale) in zip(layers, scales):
         layer.self_attn.kv_scales = (float(k_scale), float(v_scale))
+
+
+def use_checkpoint_kv_scales(model: nnx.Module, checkpoint_dir: str | Path, kv_cache_dtype: str,
+                             calculate: bool) -> list[tuple[float, float]] | None:
+    """The fp8 KV-cache scales `checkpoint_dir` carries, set on `model` and returned where its pool is fp8 and
+    `calculate` (calculate_kv_scales) is off; else None, with a log line saying why where it carries them."""
+    scales = read_kv_scales(checkpoint_dir, len(model.model.layers))
+    if scales is None:
+        return None
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        logger.info("%s carries fp8 KV-cache scales, unused with kv_cache_dtype=%r: pass kv_cache_dtype='fp8' to "
+                    "use them", checkpoint_dir, kv_cache_dtype)
+        return None
+    if calculate:
+        logger.info("calculate_kv_scales: calculated scales replace the fp8 KV-cache scales %s carries",
+                    checkpoint_dir)
+        return None
+    set_kv_scales(model, scales)
+    k_scales, v_scales = np.array(scales).T
+    logger.info("fp8 KV-cache scales from %s: k_scale %.3g-%.3g, v_scale %.3g-%.3g over %d layers", checkpoint_dir,
+                k_scales.min(), k_scales.max(), v_scales.min(), v_scales.max(), len(scales))
+    return scales
 
 
 def calibrate_kv_scales(model: nnx.Module, tokenizer: Tokenizer, block_size: int, plan: AttentionPlan,

@@ -8,6 +8,8 @@ scale 1.0 an fp8 pool saturates them, and calibrated scales must bring it back t
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
 from cbjax.checkpoint.convert import convert_checkpoint
+from cbjax.checkpoint.kv_scale_tensors import collect_kv_scales, kv_scale_slot, read_kv_scales
 from cbjax.checkpoint.loader import load_model
 from cbjax.config import EngineConfig
 from cbjax.models.layers.attention import AttentionPlan
@@ -168,3 +171,74 @@ def test_calibration_runs_the_jnp_attention_where_the_kernel_build_failed(tiny, 
     reference = prompt_logprobs(LLM(str(quiet), **ENGINE_OPTIONS, kv_cache_dtype="float32", attention_backend="xla"),
                                 prompts)
     assert np.abs(prompt_logprobs(llm, prompts) - reference).mean() < 0.1
+
+
+def with_scale_tensors(hf_dir: Path, out: Path, scales: dict[str, np.ndarray]) -> Path:
+    """A copy of hf_dir whose safetensors hold `scales` beside its weights."""
+    shutil.copytree(hf_dir, out)
+    weights = load_file(out / "model.safetensors")
+    save_file(weights | scales, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_checkpoint_kv_scales_are_read_under_each_quantizers_names(tiny, tmp_path):
+    """llm-compressor's self_attn.k_scale / v_scale, ModelOpt's k_proj.k_scale / v_proj.v_scale and AutoFP8's one
+    kv_scale give each layer's (k_scale, v_scale); weights' names are not scales; a conversion keeps them."""
+    assert kv_scale_slot("model.layers.3.self_attn.k_scale") == (3, "k_scale")
+    assert kv_scale_slot("model.layers.0.self_attn.v_proj.v_scale") == (0, "v_scale")
+    assert kv_scale_slot("model.layers.1.self_attn.kv_scale") == (1, "kv_scale")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.v_scale",
+                 "model.layers.0.self_attn.k_proj.weight_scale", "model.layers.0.mlp.k_scale"):
+        assert kv_scale_slot(name) is None
+    hf_dir = tiny[0]
+    layers = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
+    assert read_kv_scales(hf_dir, layers) is None
+    values = np.random.default_rng(3).uniform(0.01, 4, (layers, 2))
+    forms = {
+        "compressed-tensors": {f"model.layers.{i}.self_attn.{kind}": np.array(values[i, j], np.float32)
+                               for i in range(layers) for j, kind in enumerate(("k_scale", "v_scale"))},
+        "modelopt": {f"model.layers.{i}.self_attn.{kind}_proj.{kind}_scale": np.array([values[i, j]], np.float32)
+                     for i in range(layers) for j, kind in enumerate("kv")},
+        "autofp8": {f"model.layers.{i}.self_attn.kv_scale": np.array([values[i, 0]], np.float16)
+                    for i in range(layers)},
+    }
+    for form, tensors in forms.items():
+        scaled = with_scale_tensors(hf_dir, tmp_path / form, tensors)
+        expected = (np.repeat(values[:, :1], 2, 1).astype(np.float16) if form == "autofp8" else values.astype(np.float32))
+        np.testing.assert_array_equal(np.array(read_kv_scales(scaled, layers)), expected.astype(np.float64))
+    converted = convert_checkpoint(tmp_path / "modelopt", tmp_path / "converted", None)
+    assert read_kv_scales(converted, layers) == read_kv_scales(tmp_path / "modelopt", layers)
+
+
+def test_checkpoint_kv_scales_that_cbjax_cannot_use_are_refused_by_name():
+    scale = lambda value, shape=(): np.full(shape, value, np.float32)  # noqa: E731
+    both = lambda layer: {f"model.layers.{layer}.self_attn.{kind}": scale(0.5) for kind in ("k_scale", "v_scale")}  # noqa: E731
+    with pytest.raises(ValueError, match=r"self_attn.k_scale has shape \(2,\); cbjax takes one fp8 KV scale per layer"):
+        collect_kv_scales({**both(0), "model.layers.0.self_attn.k_scale": scale(0.5, (2,))}, 1, "ckpt")
+    with pytest.raises(ValueError, match=r"v_scale is 0.0; an fp8 KV scale must be finite and positive"):
+        collect_kv_scales({**both(0), "model.layers.0.self_attn.v_scale": scale(0.0)}, 1, "ckpt")
+    with pytest.raises(ValueError, match=r"but not these: 1.k_scale, 1.v_scale"):
+        collect_kv_scales(both(0), 2, "ckpt")
+    with pytest.raises(ValueError, match=r"is for layer 2; the model has 2 layers"):
+        collect_kv_scales(both(0) | both(1) | both(2), 2, "ckpt")
+
+
+def test_an_fp8_pool_takes_the_scales_its_checkpoint_carries(tiny, tmp_path):
+    """A checkpoint of the loud model carrying k_scale and v_scale tensors (llm-compressor's names), here transformers'
+    own max |K| / 200 and max |V| / 100 over the calibration prompts: its fp8 pool uses them, giving the prompt
+    logprobs of calculate_kv_scales (which computes the same numbers) where scale 1.0 would saturate; a float pool
+    leaves them unused."""
+    hf_dir, _, loud = tiny
+    prompts_in = calibration_prompts(Tokenizer.from_dir(loud), ENGINE_OPTIONS["max_model_len"])
+    scales = transformers_amax(hf_dir, prompts_in) / [K_SCALE_CONSTANT, V_SCALE_CONSTANT]
+    scaled = with_scale_tensors(hf_dir, tmp_path / "scaled", {
+        f"model.layers.{i}.self_attn.{kind}": np.array(scales[i, j], np.float32)
+        for i in range(len(scales)) for j, kind in enumerate(("k_scale", "v_scale"))})
+    prompts = [np.random.default_rng(4).integers(3, 300, size=n).tolist() for n in (9, 30)]
+    calibrated = prompt_logprobs(LLM(str(loud), **ENGINE_OPTIONS, kv_cache_dtype="fp8", calculate_kv_scales=True),
+                                 prompts)
+    from_checkpoint = prompt_logprobs(LLM(str(scaled), **ENGINE_OPTIONS, kv_cache_dtype="fp8"), prompts)
+    np.testing.assert_allclose(from_checkpoint, calibrated, atol=1e-3)
+    float_pool = prompt_logprobs(LLM(str(scaled), **ENGINE_OPTIONS, kv_cache_dtype="float32"), prompts)
+    np.testing.assert_allclose(float_pool, prompt_logprobs(LLM(str(loud), **ENGINE_OPTIONS, kv_cache_dtype="float32"),
+                                                           prompts), rtol=0, atol=0)

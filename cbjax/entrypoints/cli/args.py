@@ -35,7 +35,7 @@ def add_engine_args(
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="with --kv-cache-dtype fp8: each layer's K and V scales from a calibration step at "
-                             "start-up (max |K| / 200, max |V| / 100), not 1.0")
+                             "start-up (max |K| / 200, max |V| / 100), not the checkpoint's or 1.0")
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                         help="weight-only quantization of the decoder projections at load (default: none)")
     parser.add_argument("--quantize-lm-head", action="store_true",

@@ -31,7 +31,7 @@ from cbjax.models.layers.attention import AttentionPlan, resolve_backend
 from cbjax.models.layers.kv_pool import init_kv_pool
 from cbjax.tokenizer.tokenizer import Tokenizer
 from cbjax.worker.compilation.buckets import powers_of_two
-from cbjax.worker.kv_scales import calibrate_kv_scales
+from cbjax.worker.kv_scales import calibrate_kv_scales, use_checkpoint_kv_scales
 from cbjax.worker.model_runner import kv_cache_dtype, matmul_precision
 from cbjax.worker.spec.draft_rows import draft_rows_needed
 from cbjax.worker.spec.draft_steps import DraftStepInputs, draft_program
@@ -93,10 +93,13 @@ class DraftModelProposer:
         # Checked before any weight is read or an HF directory converted.
         check_draft_model(ModelConfig.from_dir(Path(spec.model).expanduser()), target_vocab_size, config.max_model_len,
                           spec.model)
-        model, self.model_config = load_model(resolve_model(spec.model), dtype=dtype, activation_dtype=activation_dtype)
+        draft_dir = resolve_model(spec.model)
+        model, self.model_config = load_model(draft_dir, dtype=dtype, activation_dtype=activation_dtype)
         self.block_size = bs = config.block_size
-        # Its own fp8 pool's scales, calibrated like the target's (the jnp path: the draft's weights are not packed).
-        self.kv_scales = None
+        # Its own fp8 pool's scales: its checkpoint's, or calibrated like the target's (the jnp path: the draft's
+        # weights are not packed).
+        self.kv_scales = use_checkpoint_kv_scales(model, draft_dir, config.kv_cache_dtype,
+                                                  config.calculate_kv_scales)
         if config.calculate_kv_scales:
             self.kv_scales = calibrate_kv_scales(model, Tokenizer.from_dir(config.tokenizer or config.model), bs,
                                                  AttentionPlan("xla"), config.max_model_len)
