@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cbjax.checkpoint.fp8_checkpoint import dequantized_tensors, fp8_block_size, weight_scales
 from cbjax.checkpoint.kv_scale_tensors import kv_scale_slot, read_kv_scales, write_kv_scales
 from cbjax.checkpoint.layout import PARAMS_DIR
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params, stack_experts
@@ -47,10 +48,12 @@ def resolve_dtype(dtype: str | jnp.dtype | None, config: ModelConfig) -> str:
 
 def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: bool = True) -> dict[str, np.ndarray]:
     """All parameters of an HF directory in our names, layout and dtype: one model copy, built tensor by tensor.
-    fp8 KV-cache scales are not parameters (read_kv_scales reads them)."""
+    fp8 weights are dequantized (fp8_checkpoint.py); fp8 KV-cache scales are not parameters (read_kv_scales)."""
     files = safetensors_files(hf_dir)
-    hf_tensors = tqdm(((name, tensor) for name, tensor in iter_tensors(files) if kv_scale_slot(name) is None),
-                      total=count_tensors(files), desc=f"reading {hf_dir.name}", unit="tensor", disable=not progress)
+    block = fp8_block_size(json.loads((hf_dir / "config.json").read_text()), str(hf_dir))
+    tensors = ((name, tensor) for name, tensor in iter_tensors(files) if kv_scale_slot(name) is None)
+    hf_tensors = tqdm(dequantized_tensors(tensors, weight_scales(files), block, str(hf_dir)), total=count_tensors(files),
+                      desc=f"reading {hf_dir.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
     pieces = convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype))
     for name, array in stack_experts(pieces, config.num_experts, str(hf_dir)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.checkpoint.convert import PARAMS_DIR, read_hf_params, resolve_dtype
+from cbjax.checkpoint.fp8_checkpoint import check_not_requantized
 from cbjax.checkpoint.gguf_import import GGUF_FILE
 from cbjax.checkpoint.gguf_params import check_as_stored, read_gguf_params
 from cbjax.checkpoint.params import abstract_model, check_params, expected_params, flatten_params, nest_params, param_name
@@ -70,6 +72,7 @@ def load_model(
     """
     ckpt_dir = Path(ckpt_dir)
     config = ModelConfig.from_dir(ckpt_dir)
+    check_not_requantized(json.loads((ckpt_dir / "config.json").read_text()), quantization, str(ckpt_dir))
     model_dtype = resolve_dtype(dtype, config)
     if quantize_lm_head:
         check_quantized_lm_head(True, quantization, 1 if tensor_parallel is None else tensor_parallel.size)

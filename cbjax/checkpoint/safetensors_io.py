@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -40,9 +41,29 @@ def count_tensors(files: list[Path]) -> int:
     return total
 
 
+# Element types safetensors' numpy reader does not map (numpy has no fp8): read from the file's bytes instead.
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+def _raw_tensor(path: Path, entry: dict, data_start: int) -> np.ndarray:
+    begin, end = entry["data_offsets"]
+    data = np.fromfile(path, np.uint8, count=end - begin, offset=data_start + begin)
+    return data.view(RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, array) for every tensor; only one is materialized at a time."""
+    """Yield (HF name, array) for every tensor; only one is materialized at a time. fp8 tensors come as
+    ml_dtypes' float8 arrays."""
     for path in files:
+        header, data_start = _header(path)
         with safe_open(path, framework="numpy") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                entry = header[name]
+                yield name, _raw_tensor(path, entry, data_start) if entry["dtype"] in RAW_DTYPES else f.get_tensor(name)
