@@ -8,7 +8,8 @@ o, gate/up, down, weights [in, out]) through `packed_matmul_cpu` with the weight
 packs them: float32 panels; int8 panels with one scale per column (quantization="int8") or per group of
 32 inputs (GGUF's Q8_0), and with mins per group too ("int8-g32-mins": GGUF's Q5_1, Q5_K); 4-bit nibble
 panels with scales and mins per group of 32 (quantization="int4-g32", GGUF's Q4_0/Q4_1), their scales and mins packed by panel as the engine packs them where N is whole panels
-("int4-g32-rows": left as rows [K / G, N], as the kernel also takes them). The weights are random (the
+("int4-g32-rows": left as rows [K / G, N], as the kernel also takes them); "fp8": e4m3 panels with a scale per
+column (an fp8 checkpoint's projections as stored). The weights are random (the
 kernels' speed does not depend on the values). At each of --rows the kernels are timed alternately, --rounds
 times (median of --calls each), in one process, so that load from other processes falls on all alike;
 `over_float32` is float32's median ms over the kernel's.
@@ -22,6 +23,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from benchmarks.cpu_steps import median_ms
@@ -32,13 +34,17 @@ from kernels_cpu.quant4 import pack_nibbles
 
 SHAPES = [(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]  # [in, out] per layer
 GROUP = 32
-KERNELS = ("float32", "int8", "int8-g32", "int8-g32-mins", "int4-g32", "int4-g32-rows")
+KERNELS = ("float32", "int8", "int8-g32", "int8-g32-mins", "int4-g32", "int4-g32-rows", "fp8")
 
 
 def random_weight(rng: np.random.Generator, kernel: str, k: int, n: int) -> tuple[np.ndarray, ...]:
     """One [k, n] weight as `packed_matmul_cpu` takes it for `kernel`: (packed,) or (packed, scales[, mins])."""
     if kernel == "float32":
         return (pack_weight(rng.standard_normal((k, n), np.float32) * 0.02),)
+    if kernel == "fp8":  # e4m3 codes (no NaN code), a scale per column: a checkpoint's fp8 weights as stored
+        codes = rng.integers(0, 256, (k, n), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        return pack_weight(codes.view(ml_dtypes.float8_e4m3fn)), rng.uniform(1e-4, 2e-4, n).astype(np.float32)
     if kernel.startswith("int8"):
         scales = rng.uniform(1e-4, 2e-4, (n,) if kernel == "int8" else (k // GROUP, n)).astype(np.float32)
         beside = (scales, -16 * scales) if kernel.endswith("mins") else (scales,)

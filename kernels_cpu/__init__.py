@@ -7,7 +7,8 @@
 - A matmul over weights packed in 32-column panels (`packed_matmul.cc`, `matmul.py`): the
   skinny projections of decode steps stream the weights at the machine's rate, which XLA:CPU's
   dots do not. int8 panels with float32 scales (quantization="int8") stream a quarter of the bytes,
-  4-bit nibble panels with group scales and mins (`quant4.py`: int4, GGUF Q4_0/Q4_1/Q4_K) an eighth.
+  4-bit nibble panels with group scales and mins (`quant4.py`: int4, GGUF Q4_0/Q4_1/Q4_K) an eighth, and
+  fp8 (e4m3) panels with scales (an fp8 checkpoint's projections as stored; `e4m3.h`) a quarter.
   bfloat16 panels multiply on AMX tiles where the CPU has them, with the bf16 dot instruction
   (vdpbf16ps) elsewhere, widened to float32 without it (`bf16_matmul_path()` says which).
 

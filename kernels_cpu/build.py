@@ -19,7 +19,7 @@ import tempfile
 
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_attention.cc", "packed_matmul.cc"))
-HEADERS = (pathlib.Path(__file__).with_name("work_sharing.h"),)  # included by the sources: part of the build's hash
+HEADERS = tuple(pathlib.Path(__file__).with_name(name) for name in ("work_sharing.h", "e4m3.h"))  # included by the sources: part of the build's hash
 # -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot and sum
 # reductions; it keeps infinities and NaN, unlike -ffast-math.
 FLAGS = (

@@ -8,8 +8,9 @@ products summed in float32, as XLA's bf16 x bf16 -> f32 dot of x.astype(bf16) do
 that are a multiple of 32 pack, except int8: an int8 [K, N] weight (kernels_cpu/quant.py, with its
 float32 scales [N], or [K / G, N] for a scale per group of G inputs, with mins [K / G, N] beside them
 for GGUF's types that have them) packs as [ceil(N / 32), K, 32], zero columns filling the last panel, and
-the kernel widens it to float32 as it goes: a quarter of float32's bytes to stream. 4-bit nibbles u8 [K / 2, N] (kernels_cpu/quant4.py, with float32 scales
-and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
+the kernel widens it to float32 as it goes: a quarter of float32's bytes to stream. fp8 (e4m3fn) weights with
+scales, a checkpoint's as stored, pack and multiply as int8 ones do (without mins). 4-bit nibbles u8 [K / 2, N]
+(kernels_cpu/quant4.py, with float32 scales and mins [K / G, N]) pack the same way, as [ceil(N / 32), K / 2, 32]: byte (p, s, c) holds column
 32p + c at k = 2s (low nibble) and 2s + 1 (high), an eighth of float32's bytes. Where N is a whole number of
 panels the engine packs their scales and mins too (`pack_group_rows`), as [N / 32, K / G, 32]: each panel's
 groups follow one another, a stream beside its nibbles rather than rows N floats apart, which the kernel reads
@@ -30,11 +31,14 @@ from kernels_cpu.registry import target
 PANEL = 32  # columns per panel
 # The packed layout's name in the weights cache: a new one for any change to pack_weight or to what is packed.
 LAYOUT = "packed-3"
+FP8 = jnp.dtype(jnp.float8_e4m3fn)  # a checkpoint's fp8 weights as stored: read as int8 ones are, with scales
 TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat16): "CbjaxPackedMatmulBF16",
-           jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4"}
+           jnp.dtype(jnp.int8): "CbjaxPackedMatmulI8", jnp.dtype(jnp.uint8): "CbjaxPackedMatmulQ4",
+           FP8: "CbjaxPackedMatmulF8"}
 INT8_MINS_TARGET = "CbjaxPackedMatmulI8Mins"  # int8 panels with scales and mins [K / G, N]
 Q4_GRID_TARGET = "CbjaxPackedMatmulQ4Grid"  # nibble panels indexing a grid [16] of values
-QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # int8, 4-bit nibbles: panels of any width, zero-padded
+QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), FP8)  # int8, 4-bit nibbles, fp8: panels of any width, zero-padded
+SCALED = (jnp.dtype(jnp.int8), FP8)  # weights of w = q * scales: int8 or fp8 q, scales [N] or [K / G, N]
 
 
 def packable(shape: tuple[int, ...], dtype: np.dtype | jnp.dtype) -> bool:
@@ -109,7 +113,7 @@ def packed_matmul_reference(
         if scales.ndim == 3:
             scales, mins = unpack_group_rows(scales), unpack_group_rows(mins)
         return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins, grid)
-    if packed.dtype == jnp.int8:
+    if packed.dtype in SCALED:
         return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     w = unpack_weight(packed, x.shape[-1])
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
@@ -126,13 +130,13 @@ def packed_matmul_cpu(
     pack_group_rows ([N / 32, K / G, 32], N whole panels), and may take a grid [16] their nibbles index."""
     dtype = jnp.dtype(packed.dtype)
     # scales' ranks (None: no scales); 4-bit 3: packed by panel
-    expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3)}.get(dtype)
+    expected_scales = {jnp.dtype(jnp.int8): (1, 2), jnp.dtype(jnp.uint8): (2, 3), FP8: (1, 2)}.get(dtype)
     per_step = 2 if dtype in (jnp.bfloat16, jnp.uint8) else 1  # k per step of a panel
     if (
         packed.ndim != 3 or dtype not in TARGETS or packed.shape[2] != PANEL * (2 if dtype == jnp.bfloat16 else 1)
         or -(-x.shape[-1] // per_step) != packed.shape[1]
         or (scales is None) != (expected_scales is None)
-        or (dtype == jnp.uint8 and mins is None) or (mins is not None and dtype not in QUANTIZED)
+        or (dtype == jnp.uint8 and mins is None) or (mins is not None and dtype not in (jnp.int8, jnp.uint8))
         or (dtype == jnp.int8 and mins is not None and scales.ndim != 2)
         or (grid is not None and (dtype != jnp.uint8 or grid.shape != (16,)))
         or (scales is not None and (scales.ndim not in expected_scales or scales.ndim == 3 and scales.shape[2] != PANEL
@@ -144,10 +148,10 @@ def packed_matmul_cpu(
             f"{None if scales is None else scales.shape} and mins {None if mins is None else mins.shape}"
             f"{'' if grid is None else f' and grid {grid.shape}'} (float32 [N / {PANEL}, K, {PANEL}] or bfloat16 "
             f"[N / {PANEL}, ceil(K / 2), {2 * PANEL}] without scales; int8 [ceil(N / {PANEL}), K, {PANEL}] with scales "
-            f"[N] or [K / G, N], and mins of grouped scales' shape or none; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] "
+            f"[N] or [K / G, N], and mins of grouped scales' shape or none; float8_e4m3fn as int8 without mins; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] "
             f"with scales and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}], and a grid [16] or none)"
         )
-    if dtype == jnp.int8 and scales.ndim == 2:
+    if dtype in SCALED and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])
     n = packed.shape[0] * PANEL if scales is None else scales_width(scales)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)

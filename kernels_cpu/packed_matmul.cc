@@ -8,6 +8,8 @@
 //      [N] (one group, G = K): int8 weights, zero columns padding N up to a panel; each group's sum of
 //      x * q is multiplied by its scales once, at the group's end (and, CbjaxPackedMatmulI8Mins, with f32
 //      mins [K / G, N] too: w[k, n] = q[k, n] * scales[k / G, n] + mins[k / G, n])
+//      or f8e4m3fn [ceil(N / 32), K, 32] with f32 scales [K / G, N] or [N] (CbjaxPackedMatmulF8): fp8 weights,
+//      w[k, n] = q[k, n] * scales[k / G, n], read as the int8 ones are (a checkpoint's fp8 weights as stored)
 //      or u8 [ceil(N / 32), K / 2, 32] with f32 scales and mins [K / G, N] or [ceil(N / 32), K / G, 32]: 4-bit
 //      nibbles (see below), standing for 0..15 or (CbjaxPackedMatmulQ4Grid) for a given f32 grid [16]
 //   y  f32 [rows, N]
@@ -32,6 +34,7 @@
 // does not depend on its neighbours (speculative decoding's greedy exactness relies on it).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +51,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "e4m3.h"
 #include "work_sharing.h"
 
 namespace ffi = xla::ffi;
@@ -99,6 +103,10 @@ inline uint32_t float_to_bf16(float f) {  // round to nearest even, as XLA's con
   return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
 }
 
+struct E4M3 {  // an fp8 (e4m3fn) weight's code: fp8 panels are read as int8 ones are, through widen16 / weight_value
+  uint8_t bits;
+};
+
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // rows of sums a pass keeps in registers: 2 x 8 of the 32 vector registers
 
@@ -107,6 +115,24 @@ inline __m512 widen16(const float* wp) { return _mm512_loadu_ps(wp); }
 inline __m512 widen16(const int8_t* wp) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp))));
 }
+
+// 16 fp8 weights as their values times 2^-8 (e4m3.h: exact, two shifts and a conversion), so a group's sums are
+// multiplied by its scales times 2^8 (kFp8Unbias): the same products, a power of two apart. The NaN codes read as
+// +-480 here, not NaN: quantizers saturate, so checkpoints hold none.
+constexpr float kFp8Unbias = 256.0f;
+inline __m512 widen16(const E4M3* wp) { return cbjax_kernels::e4m3x16_over_256(&wp->bits); }
+// A step's 32 columns as two vectors of floats.
+template <typename W>
+inline void widen32(const W* wp, __m512& w0, __m512& w1) {
+  w0 = widen16(wp);
+  w1 = widen16(wp + 16);
+}
+#if defined(__AVX512BW__)
+template <>
+inline void widen32(const E4M3* wp, __m512& w0, __m512& w1) {
+  cbjax_kernels::e4m3x32_over_256(&wp->bits, w0, w1);
+}
+#endif
 
 // The first `width` of 32 columns (two vectors of 16) as masks for loads and stores.
 inline __mmask16 low_mask(int64_t width) { return width >= 16 ? 0xffff : (1u << width) - 1; }
@@ -434,12 +460,12 @@ std::vector<float> group_sums(const float* x, int64_t rows, int64_t K, int64_t g
 // R rows of x (K apart) times one int8 panel -> R x 32 outputs, the first `width` at y (rows ldy apart),
 // where a group's sums are added at its end. scales (and mins) point at the panel's first column (groups N
 // apart); x_sums (kMins only) at the first row's group sums (rows `groups` apart).
-template <int R, bool kMins>
-void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const float* scales, const float* mins, float* y,
+template <int R, bool kMins, typename W>
+void pass_i8(const float* x, const float* x_sums, const W* panel, const float* scales, const float* mins, float* y,
              int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   const __mmask16 low = low_mask(width), high = high_mask(width);
-  const int8_t* wp = panel;
+  const W* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     if (g + kGroupsAhead < groups) {
       prefetch_group_row(scales + (g + kGroupsAhead) * N);
@@ -449,14 +475,19 @@ void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const flo
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel) {
       _mm_prefetch(reinterpret_cast<const char*>(wp + kQuantizedAhead), _MM_HINT_T0);
-      const __m512 w0 = widen16(wp), w1 = widen16(wp + 16);
+      __m512 w0, w1;
+      widen32(wp, w0, w1);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * K + k]);
         acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
       }
     }
-    const __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
+    __m512 s0 = _mm512_maskz_loadu_ps(low, scales + g * N), s1 = _mm512_maskz_loadu_ps(high, scales + g * N + 16);
+    if constexpr (std::is_same_v<W, E4M3>) {
+      s0 = _mm512_mul_ps(s0, _mm512_set1_ps(kFp8Unbias));
+      s1 = _mm512_mul_ps(s1, _mm512_set1_ps(kFp8Unbias));
+    }
     __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
     if constexpr (kMins) {
       m0 = _mm512_maskz_loadu_ps(low, mins + g * N);
@@ -483,18 +514,24 @@ void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const flo
   }
 }
 #else
-template <int R, bool kMins>
-void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const float* scales, const float* mins, float* y,
+inline float weight_value(int8_t q) { return static_cast<float>(q); }
+inline float weight_value(E4M3 q) {
+  static const cbjax_kernels::E4M3Table table;
+  return table.value[q.bits];
+}
+
+template <int R, bool kMins, typename W>
+void pass_i8(const float* x, const float* x_sums, const W* panel, const float* scales, const float* mins, float* y,
              int64_t K, int64_t group, int64_t N, int64_t ldy, int64_t width) {
   const int64_t groups = K / group;
   float total[R][kPanel] = {};
-  const int8_t* wp = panel;
+  const W* wp = panel;
   for (int64_t g = 0; g < groups; ++g) {
     float acc[R][kPanel] = {};
     for (int64_t k = g * group; k < (g + 1) * group; ++k, wp += kPanel)
       for (int r = 0; r < R; ++r) {
         const float xv = x[r * K + k];
-        for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * static_cast<float>(wp[c]);
+        for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * weight_value(wp[c]);
       }
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < width; ++c) {
@@ -506,9 +543,9 @@ void pass_i8(const float* x, const float* x_sums, const int8_t* panel, const flo
 }
 #endif
 
-// int8 panels with scales [N] or [K / G, N], and with kMins mins [K / G, N] beside them.
-template <bool kMins>
-ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
+// int8 (or fp8) panels with scales [N] or [K / G, N], and with kMins mins [K / G, N] beside them.
+template <bool kMins, typename W, typename WeightBuffer>
+ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const WeightBuffer& w,
                        const ffi::Buffer<ffi::F32>& scales, const float* mins, ffi::ResultBuffer<ffi::F32>& y) {
   const auto sd = scales.dimensions();
   if (sd.size() != 1 && sd.size() != 2)
@@ -525,7 +562,7 @@ ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, co
   // Outlives the helpers' reads: the caller waits for every panel.
   const std::vector<float> x_sums = kMins ? group_sums(xp, rows, K, groups) : std::vector<float>();
   const float* xs = x_sums.data();
-  const int8_t* q = w.typed_data();
+  const W* q = static_cast<const W*>(w.untyped_data());
   const float* s = scales.typed_data();
   float* out = y->typed_data();
   cbjax_kernels::share_out(pool, w.dimensions()[0], [=](int64_t p) {
@@ -540,7 +577,15 @@ ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, co
 
 ffi::Error matmul_i8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                      ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  return multiply_i8<false>(pool, x, w, scales, nullptr, y);
+  return multiply_i8<false, int8_t>(pool, x, w, scales, nullptr, y);
+}
+
+// (XLA's FFI has no typed buffer of fp8: the weights come untyped and their type is checked here.)
+ffi::Error matmul_f8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::F8E4M3FN)
+    return ffi::Error::InvalidArgument("cbjax packed matmul: CbjaxPackedMatmulF8 takes float8_e4m3fn panels");
+  return multiply_i8<false, E4M3>(pool, x, w, scales, nullptr, y);
 }
 
 ffi::Error matmul_i8_mins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -548,7 +593,7 @@ ffi::Error matmul_i8_mins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const auto sd = scales.dimensions(), md = mins.dimensions();
   if (sd.size() != 2 || md.size() != 2 || sd[0] != md[0] || sd[1] != md[1])
     return ffi::Error::InvalidArgument("cbjax packed matmul: int8 scales and mins must both be [K / G, N]");
-  return multiply_i8<true>(pool, x, w, scales, mins.typed_data(), y);
+  return multiply_i8<true, int8_t>(pool, x, w, scales, mins.typed_data(), y);
 }
 
 // ---- 4-bit groups: w[k, n] = scales[g, n] * grid[q[k, n]] + mins[g, n], q in 0..15, g = k / G ----
@@ -721,6 +766,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8, matmul_i8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulF8, matmul_f8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxPackedMatmulI8Mins, matmul_i8_mins,

@@ -44,6 +44,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "e4m3.h"
 #include "work_sharing.h"
 
 namespace ffi = xla::ffi;
@@ -145,22 +146,8 @@ inline void store_row(const float* src, uint16_t* dst, int dim, BF16Tag) {
   }
 }
 
-// e4m3fn (OCP): bias 7, no infinities, S.1111.111 is NaN; subnormals are m * 2^-9.
-inline float e4m3_to_float(uint8_t code) {
-  const int exp = (code >> 3) & 0xf, man = code & 0x7;
-  const float magnitude = exp == 0xf && man == 0x7 ? NAN
-                          : exp == 0               ? std::ldexp((float)man, -9)
-                                                   : std::ldexp((float)(8 + man), exp - 10);
-  return code & 0x80 ? -magnitude : magnitude;
-}
-
-// Every code's value, so a row widens by table lookups.
-struct E4M3Table {
-  float value[256];
-  E4M3Table() {
-    for (int code = 0; code < 256; ++code) value[code] = e4m3_to_float((uint8_t)code);
-  }
-};
+using cbjax_kernels::E4M3Table;
+using cbjax_kernels::e4m3_to_float;
 
 #if defined(__F16C__)
 // e4m3fn by way of f16: a code's exponent and mantissa bits moved into f16's (its sign to bit 15) make the f16
@@ -171,10 +158,7 @@ struct E4M3Table {
 // 16 codes in one register (PoolRows' widen returns it: two 8-float halves stored and read back as one 16-float
 // load would stall).
 inline __m512 e4m3x16_to_floats(const uint8_t* src) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __m512 f = _mm512_mul_ps(cbjax_kernels::e4m3x16_over_256(src), _mm512_set1_ps(256.0f));
   const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
   return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
 }

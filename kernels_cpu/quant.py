@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Float, Int8, Shaped
 
 INT8_MAX = 127
 
@@ -49,17 +49,17 @@ def check_int8_groups(k: int, groups: int) -> None:
 
 
 def int8_matmul(
-    x: Float[Array, "*rows k"], q: Int8[Array, "k n"], scales: Float[Array, "*g n"], mins: Float[Array, "g n"] | None = None,
+    x: Float[Array, "*rows k"], q: Int8[Array, "k n"] | Shaped[Array, "k n"], scales: Float[Array, "*g n"], mins: Float[Array, "g n"] | None = None,
 ) -> Float[Array, "*rows n"]:
     """x @ (q * scales (+ mins)), accumulated in float32 (any platform). Scales [N]: (x @ q) * scales. Scales
     [K / G, N]: each group's sum of x * q times that group's scales, added over the groups, as the C++
-    kernel sums them; with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K, Q2_K) plus each
+    kernel sums them (q may be fp8, a checkpoint's weights as stored: widened exactly as int8 is); with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K, Q2_K) plus each
     group's sum of x times its mins (quant4.int4_matmul's form)."""
-    if (q.ndim != 2 or q.dtype != jnp.int8 or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
+    if (q.ndim != 2 or q.dtype not in (jnp.int8, jnp.float8_e4m3fn) or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
             or x.shape[-1] != q.shape[0] or (mins is not None and (scales.ndim != 2 or mins.shape != scales.shape))):
         raise ValueError(
             f"int8_matmul: x {x.shape} does not match an int8 weight {q.dtype} {q.shape} with scales {scales.shape} "
-            f"and mins {None if mins is None else mins.shape} (int8 [K, N], float32 scales [N] or [K / G, N], "
+            f"and mins {None if mins is None else mins.shape} (int8 or float8_e4m3fn [K, N], float32 scales [N] or [K / G, N], "
             f"mins only beside [K / G, N] scales and of their shape, x [..., K])"
         )
     if scales.ndim == 1:

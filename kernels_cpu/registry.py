@@ -37,6 +37,7 @@ SYMBOLS = (
     "CbjaxPackedMatmulBF16",
     "CbjaxPackedMatmulI8",
     "CbjaxPackedMatmulI8Mins",
+    "CbjaxPackedMatmulF8",
     "CbjaxPackedMatmulQ4",
     "CbjaxPackedMatmulQ4Grid",
 )

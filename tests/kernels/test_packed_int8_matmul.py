@@ -9,12 +9,16 @@ Sizes cover rows 0, 1, one short of, at and past a pass of rows, 16 and 64 (pass
 panel), K of 1 and odd, K = G and G of 16, 32, 96, and N of 1, one short of and past a panel (the int8 panels are padded, unlike float32's).
 With mins [K / G, N] (CbjaxPackedMatmulI8Mins: w = q * scales + mins per group) each group adds its sum of x
 (summed in double, rounded once) times its mins in one more FMA: two more roundings of terms no larger than
-|x| @ |mins|, so the bound is taken over |q * scales| + |mins| with (G + groups + 4) * 2^-24."""
+|x| @ |mins|, so the bound is taken over |q * scales| + |mins| with (G + groups + 4) * 2^-24.
+fp8 (e4m3fn) panels (CbjaxPackedMatmulF8: a checkpoint's fp8 weights as stored) are read as int8 ones, each code
+widened exactly (a product x * q is still exact in an FMA), so the same bounds hold, on codes drawn from all 254
+finite ones (subnormals included)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -154,3 +158,40 @@ def test_a_group_count_that_does_not_divide_k_is_refused_naming_both():
     for groups in (5, 0):
         with pytest.raises(ValueError, match=rf"{groups} groups, and {groups} does not divide the weight's input dim K=96"):
             packed_matmul_cpu(jnp.zeros((1, 96)), packed, jnp.ones((groups, 40)))
+
+
+def fp8_product(rng: np.random.Generator, rows, k: int, group: int | None, n: int):
+    """x, random e4m3 codes (every finite one, subnormals included; not the NaN codes) and scales [N] or [K / G, N],
+    x @ (q * scales) in float64 and the int8 kernels' bound."""
+    x = rng.standard_normal((*np.atleast_1d(rows), k)).astype(np.float32)
+    codes = rng.integers(0, 256, (k, n)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    q = codes.view(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(-0.1, 0.1, (n,) if group is None else (k // group, n)).astype(np.float32)
+    w = q.astype(np.float64) * (scales.astype(np.float64) if group is None else np.repeat(scales.astype(np.float64), group, 0))
+    terms = k + 2 if group is None else group + k // group + 2
+    return x, q, scales, x.astype(np.float64) @ w, terms * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-30
+
+
+@pytest.mark.parametrize("rows,k,group,n", [(rows, k, None, n) for rows, k, n in SHAPES] + GROUP_SHAPES)
+def test_fp8_kernel_and_its_references_match_float64_within_the_int8_bound(rows, k, group, n):
+    x, q, scales, expected, bound = fp8_product(np.random.default_rng(), rows, k, group, n)
+    packed = pack_weight(q)
+    assert packed.dtype == jnp.float8_e4m3fn and packed.shape == (-(-n // 32), k, 32)
+    for out in (kernel(x, packed, scales), packed_matmul_reference(x, packed, scales), jax.jit(int8_matmul)(x, q, scales)):
+        out = np.asarray(out, np.float64)
+        assert out.shape == expected.shape and np.all(np.abs(out - expected) <= bound)
+
+
+def test_fp8_rows_are_the_same_sums_whatever_the_batch_and_every_code_widens_exactly():
+    """Each row of a 64-row fp8 call equals that row alone, bit for bit; and with x one-hot and scales 1 the kernel
+    returns the weights themselves: each of the 254 finite codes exactly its ml_dtypes value."""
+    x, q, scales, _, _ = fp8_product(np.random.default_rng(), 64, 384, 32, 100)
+    packed = pack_weight(q)
+    whole = np.asarray(kernel(x, packed, scales))
+    alone = np.stack([np.asarray(kernel(x[row : row + 1], packed, scales))[0] for row in range(64)])
+    np.testing.assert_array_equal(alone, whole)
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8).reshape(2, 127)
+    q = codes.view(ml_dtypes.float8_e4m3fn)
+    out = np.asarray(kernel(np.eye(2, dtype=np.float32), pack_weight(q), np.ones(127, np.float32)))
+    np.testing.assert_array_equal(out, q.astype(np.float32))

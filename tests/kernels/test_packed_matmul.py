@@ -112,7 +112,7 @@ def checkpoint(tmp_path_factory):
 def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path, monkeypatch, march):
     """The CI machine may lack what this one has: native without AMX is the bf16 dot instruction (vdpbf16ps)
     where this CPU has it, x86-64-v4 is AVX-512 without the bf16 dot instruction (bf16 pairs widened to float32),
-    x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group, with mins too) and 4-bit ones; and
+    x86-64-v3 is AVX2 (plain loops). int8 panels (scales per column and per group, with mins too), fp8 and 4-bit ones; and
     x86-64-v3's attention, which widens f16 and bf16 pool rows without AVX-512."""
     import kernels_cpu.build as kernel_build
 
@@ -165,6 +165,17 @@ def test_builds_without_the_bf16_dot_or_without_avx512_compute_the_same(tmp_path
             x, pack_weight(q), scales, mins)
         w = q * np.repeat(scales.astype(np.float64), group, 0) + np.repeat(mins.astype(np.float64), group, 0)
         np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    jax.ffi.register_ffi_target(f"CbjaxPackedMatmulF8_test_{tag}", jax.ffi.pycapsule(library.CbjaxPackedMatmulF8),
+                                platform="cpu")
+    for rows, k, n in [(1, 32, 31), (9, 576, 96), (17, 64, 40)]:  # fp8 codes (all finite ones) with per-column scales
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        codes = rng.integers(0, 256, (k, n)).astype(np.uint8)
+        q = np.where((codes & 0x7F) == 0x7F, 0, codes).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+        scales = rng.uniform(-0.03, 0.03, n).astype(np.float32)
+        out = jax.ffi.ffi_call(f"CbjaxPackedMatmulF8_test_{tag}", jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+            x, pack_weight(q), scales)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ (q.astype(np.float64) * scales), rtol=1e-4, atol=1e-4)
     jax.ffi.register_ffi_target(f"CbjaxPackedMatmulQ4_test_{tag}", jax.ffi.pycapsule(library.CbjaxPackedMatmulQ4),
                                 platform="cpu")
     for rows, k, n in [(1, 64, 31), (9, 576, 96), (6, 128, 40)]:
