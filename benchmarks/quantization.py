@@ -1,4 +1,5 @@
-"""float32 against int8, int4 and the GGUF file served as stored, side by side: `python -m benchmarks.quantization`.
+"""float32 against int8, int4, the GGUF file and an fp8 checkpoint served as stored, side by side:
+`python -m benchmarks.quantization`.
 
 Speed: decode-heavy requests (short random prompts, `--output-len` tokens each, EOS ignored) at each
 `--num-seqs`, output tokens/s of the float32 engine (projections packed for the C++ matmul), the
@@ -32,7 +33,8 @@ from cbjax.bench.common import print_table, write_json
 
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3"]
 GGUF = "downloads/SmolLM2-135M-Instruct.Q4_1.gguf"
-ENGINES = ("float32", "int8", "int8-lm-head", "int4", "gguf-as-stored")  # int8-lm-head: quantize_lm_head=True too
+# int8-lm-head: quantize_lm_head=True too; fp8: the --fp8 checkpoint (benchmarks/fp8_quantize.py), served as stored
+ENGINES = ("float32", "int8", "int8-lm-head", "int4", "gguf-as-stored", "fp8")
 
 
 LLAMACPP_WORKER = Path(__file__).with_name("llamacpp_worker.py")  # runs in the peer venv: no cbjax there
@@ -84,8 +86,11 @@ def main() -> None:
     p.add_argument("--gguf", default=GGUF, help="the GGUF file served as stored (the float model's source)")
     # SmolLM2's float32 weights are its Q4_1 file dequantized: groups of 32 land on that grid again (perplexity
     # 18.0, 16/16 greedy continuations as float32's), groups of 64 round it twice (23.3, 0/16).
+    p.add_argument("--fp8", default="downloads/smollm2-135m-instruct-fp8",
+                   help="an fp8 checkpoint of the float model (python -m benchmarks.fp8_quantize)")
     p.add_argument("--int4", default="int4-g32", help="the int4 engine's quantization= (576 wide: int4-g64 or -g32)")
-    p.add_argument("--weights", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to compare")
+    p.add_argument("--weights", nargs="+", default=[name for name in ENGINES if name != "fp8"], choices=ENGINES,
+                   help="engines to compare (fp8 only when named: its checkpoint is made by benchmarks.fp8_quantize)")
     p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -99,7 +104,7 @@ def main() -> None:
     options = dict(max_num_seqs=max(args.num_seqs), max_model_len=args.window + 8, max_num_batched_tokens=512)
     specs = {"float32": (args.model, None), "int8": (args.model, "int8"), "int8-lm-head": (args.model, "int8"),
              "int4": (args.model, args.int4),
-             "gguf-as-stored": (args.gguf, None)}  # name -> (model, quantization=)
+             "gguf-as-stored": (args.gguf, None), "fp8": (args.fp8, None)}  # name -> (model, quantization=)
     engines = {}
     for name in dict.fromkeys(["float32", *args.weights]):  # float32 first: the baseline of every ratio
         model, quantization = specs[name]

@@ -25,6 +25,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from engine_helpers import COMPILES, CompileCounter, random_prompts  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
+from fp8_checkpoints import write_fp8_checkpoint  # noqa: E402
 from test_gguf_import import QUANT_TYPES, write_tiny_llama_gguf  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
@@ -310,6 +311,7 @@ def main() -> None:
     olmo2 = make_tiny_checkpoint(tmp / "olmo2", "olmo2", num_key_value_heads=1)  # k_norm over a repeated KV head
     gemma3 = make_tiny_checkpoint(tmp / "gemma3", "gemma3_text", head_dim=16)  # local/global layers, windowed
     gguf = tiny_gguf_as_stored(tmp / "gguf", GGMLQuantizationType.F16)  # down_proj float: its 96 rows split in 48s
+    fp8 = write_fp8_checkpoint(llama[0], tmp / "fp8", "per-block")  # fp8 projections, scales per 32 x 32 block
     # 8 experts, top 2; Qwen3-MoE's layer 1 dense (tests/helpers_hf.py)
     moe = {family: make_tiny_checkpoint(tmp / family, family) for family in ("qwen3_moe", "mixtral")}
     # Every attention backend runs under shard_map: "auto" is the C++ kernel (TP=4 runs); the
@@ -331,6 +333,7 @@ def main() -> None:
         "int8_logits": {tp: tp_logits(llama[1], tp, quantization="int8") for tp in (1, 2)},
         "int4_logits": {tp: tp_logits(llama[1], tp, quantization="int4-g32") for tp in (1, 2)},
         "gguf_logits": {tp: tp_logits(gguf, tp) for tp in (1, 2)},
+        "fp8_logits": {tp: tp_logits(fp8, tp) for tp in (1, 2)},
         "fp8_kv_logits": {tp: tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn)["logits"] for tp in (1, 2)},
         "fp8_kv_calculated_scales": {tp: {key: run[key] for key in ("logits", "kv_scales")} for tp in (1, 2) for run in
                                      [tp_logits(llama[1], tp, pool_dtype=jnp.float8_e4m3fn, calculate_kv_scales=True)]},
@@ -340,6 +343,7 @@ def main() -> None:
         "tp1_constrained": constrained_outputs(tp1),
         "sharded_sampling": sharded_sampling(),
         "cuda_lowering_failures": cuda_lowering_failures(llama[1], 4),
+        "fp8_cuda_lowering_failures": cuda_lowering_failures(fp8, 2),
         "abstract_lowering": {
             "llama": {tp: abstract_lowering(ModelConfig.from_dir(llama[1]), tp) for tp in (2, 4)},
             # Llama-3-70B's shapes (64 heads, 8 KV heads, head_dim 128, vocab 128256), two of its 80 layers

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from cbjax.checkpoint.fp8_checkpoint import dequantized_tensors, fp8_block_size, weight_scales
+from cbjax.checkpoint.fp8_checkpoint import dequantize_unfused_parts, dequantized_tensors, fp8_block_size, weight_scales
 from cbjax.checkpoint.kv_scale_tensors import kv_scale_slot, read_kv_scales, write_kv_scales
 from cbjax.checkpoint.layout import PARAMS_DIR
 from cbjax.checkpoint.params import check_params, convert_hf_tensors, expected_params, nest_params, stack_experts
@@ -46,22 +46,29 @@ def resolve_dtype(dtype: str | jnp.dtype | None, config: ModelConfig) -> str:
     return name
 
 
-def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: bool = True) -> dict[str, np.ndarray]:
+def read_hf_params(hf_dir: Path, config: ModelConfig, dtype: str, *, progress: bool = True,
+                   keep_fp8: bool = False) -> dict[str, np.ndarray]:
     """All parameters of an HF directory in our names, layout and dtype: one model copy, built tensor by tensor.
-    fp8 weights are dequantized (fp8_checkpoint.py); fp8 KV-cache scales are not parameters (read_kv_scales)."""
+    fp8 weights are dequantized, or with `keep_fp8` the decoder projections' kept as stored with `...scales`
+    beside (fp8_checkpoint.py); fp8 KV-cache scales are not parameters (read_kv_scales)."""
     files = safetensors_files(hf_dir)
     block = fp8_block_size(json.loads((hf_dir / "config.json").read_text()), str(hf_dir))
     tensors = ((name, tensor) for name, tensor in iter_tensors(files) if kv_scale_slot(name) is None)
-    hf_tensors = tqdm(dequantized_tensors(tensors, weight_scales(files), block, str(hf_dir)), total=count_tensors(files),
-                      desc=f"reading {hf_dir.name}", unit="tensor", disable=not progress)
+    hf_tensors = tqdm(dequantized_tensors(tensors, weight_scales(files), block, str(hf_dir), keep=keep_fp8),
+                      total=count_tensors(files), desc=f"reading {hf_dir.name}", unit="tensor", disable=not progress)
     params: dict[str, np.ndarray] = {}
     pieces = convert_hf_tensors(hf_tensors, config, jnp.dtype(dtype))
     for name, array in stack_experts(pieces, config.num_experts, str(hf_dir)):
         if name in params:
             raise ValueError(f"tensor {name} appears twice in {hf_dir}; the safetensors shards overlap")
         params[name] = array
-    found = {name: (array.shape, array.dtype) for name, array in params.items()}
-    check_params(expected_params(config, jnp.dtype(dtype)), found, source=str(hf_dir))
+    dequantize_unfused_parts(params, config.num_hidden_layers, jnp.dtype(dtype))
+    expected = expected_params(config, jnp.dtype(dtype))
+    # A kernel kept as stored is checked as the float kernel it stands for (same [in, out] shape), its scales not.
+    found = {name: (array.shape, expected[name].dtype if name.removesuffix("kernel") + "scales" in params and
+                    name in expected else array.dtype)
+             for name, array in params.items() if not name.endswith(".scales")}
+    check_params(expected, found, source=str(hf_dir))
     return params
 
 

@@ -9,19 +9,27 @@ w = q * scale:
                                 weight_block_size (compressed-tensors: the weights' block_structure)
     ...q_proj.input_scale       a static activation scale for fp8 x fp8 matmuls: not used here
 
-cbjax has no fp8 matmul: each weight is dequantized at load (float32, then the model's dtype) and the model
-serves float weights; a conversion writes them as floats. Their rounding stays, so such a checkpoint is not
-quantized again (check_not_requantized). Its KV-cache scales are read beside (kv_scale_tensors.py). Other
-quantization methods (GPTQ, AWQ, bitsandbytes, compressed-tensors' integer schemes) are refused by name.
+Served from its directory (resolve.py), the decoder projections stay fp8 as stored: each kernel [in, out] in
+float8_e4m3fn with float32 `scales` beside it, [out] (per tensor or row) or [in / b1, out] (per block), which the
+int8 products read (kernels_cpu/quant.py; on a CPU the packed C++ kernel widens the fp8 codes in registers):
+a byte a weight. Where a block does not divide a projection's inputs, its fused partners are not fp8 too, or
+the weight is not a decoder projection (an expert, the LM head), it is dequantized at load, as `cbjax convert`
+dequantizes all of them (float32 q * scale, one rounding, then the model's dtype). Their rounding stays, so such
+a checkpoint is not quantized again (check_not_requantized). Its KV-cache scales are read beside
+(kv_scale_tensors.py). Other quantization methods (GPTQ, AWQ, bitsandbytes, compressed-tensors' integer
+schemes) are refused by name.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -30,6 +38,9 @@ from cbjax.checkpoint.safetensors_io import RAW_DTYPES
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = tuple(RAW_DTYPES.values())
+STORED = np.dtype(ml_dtypes.float8_e4m3fn)  # the fp8 type the kernels read (e5m2 weights are dequantized)
+# A decoder layer's own projection (not a MoE expert's): the weights kept as stored.
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight")
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # beside a weight: `name.weight` + suffix
 UNUSED_SUFFIXES = (".input_scale",)
 SUPPORTED = "float checkpoints, fp8-weight ones (quant_method 'fp8', 'compressed-tensors' FP8 schemes, 'modelopt' FP8) and GGUF files"
@@ -110,11 +121,27 @@ def dequantize(name: str, q: np.ndarray, scale: np.ndarray, block: tuple[int, in
                      f"weight_block_size ({'none given' if block is None else list(block)})")
 
 
+def stored_scales(q: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None) -> np.ndarray | None:
+    """An fp8 [out, in] weight's scale as the int8 products take it beside the [in, out] kernel: [out] per tensor or
+    row, [in / b1, out] per block (each block row's scale repeated over its b0 outputs); None where a block does
+    not divide `in` (or the scale has another shape: dequantize says why)."""
+    rows, cols = q.shape
+    scale = np.asarray(scale, np.float32)
+    if scale.size == 1:
+        return np.full(rows, scale.reshape(()), np.float32)
+    if scale.shape in ((rows,), (rows, 1)):
+        return np.ascontiguousarray(scale.reshape(rows))
+    if block is not None and cols % block[1] == 0 and scale.shape == (-(-rows // block[0]), cols // block[1]):
+        return np.ascontiguousarray(np.repeat(scale, block[0], 0)[:rows].T)
+    return None
+
+
 def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scales: dict[str, np.ndarray],
-                        block: tuple[int, int] | None, source: str) -> Iterator[tuple[str, np.ndarray]]:
-    """The checkpoint's tensors with each fp8 weight dequantized to float32 and the scales beside them left out;
-    one log line at the end counts the dequantized weights."""
-    count = 0
+                        block: tuple[int, int] | None, source: str, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with the scales beside its fp8 weights left out and each fp8 weight dequantized to
+    float32, or, with `keep`, a decoder projection's e4m3 weight kept with its `...scales` (stored_scales) after it
+    where they fit; one log line at the end counts both."""
+    kept = dequantized = 0
     for name, tensor in tensors:
         if name.endswith(UNUSED_SUFFIXES) or any(name.endswith(".weight" + s) for s in SCALE_SUFFIXES):
             continue
@@ -122,9 +149,38 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scales: dict[
             if name not in scales:
                 raise ValueError(f"{source}: {name} is {tensor.dtype} without a scale beside it ({name}_scale or "
                                  f"{name}_scale_inv); the checkpoint is incomplete")
+            stored = (stored_scales(tensor, scales[name], block)
+                      if keep and tensor.dtype == STORED and tensor.ndim == 2 and _PROJECTION.fullmatch(name) else None)
+            if stored is not None:
+                yield name, tensor
+                yield name.removesuffix("weight") + "scales", stored
+                kept += 1
+                continue
             tensor = dequantize(name, tensor, scales[name], block, source)
-            count += 1
+            dequantized += 1
         yield name, tensor
-    if count:
-        logger.info("%s: %d fp8 weights dequantized at load (cbjax has no fp8 matmul; they serve as floats)",
-                    source, count)
+    if kept or dequantized:
+        logger.info("%s: %d fp8 projections kept as stored, %d fp8 weights dequantized at load", source, kept,
+                    dequantized)
+
+
+def serves_as_stored(hf_dir: Path) -> bool:
+    """Whether a Hugging Face directory holds fp8 weights (a quantization_config with fp8 weights), which it
+    serves from its own files as stored rather than through a float conversion."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    return quantized_weights(config) in ("fp8", "compressed-tensors", "modelopt")
+
+
+def dequantize_unfused_parts(params: dict[str, np.ndarray], num_layers: int, dtype: np.dtype) -> None:
+    """Dequantize (float32 q * scales, then `dtype`) the kept fp8 parts of a fused group (q/k/v, gate/up) whose
+    other parts are float: a fused kernel has one form (linear.fuse_projections)."""
+    from cbjax.models.layers.linear import FUSED_PROJECTIONS  # JAX: only a load needs it (resolve.py reads this file)
+
+    for layer in range(num_layers):
+        for parts in FUSED_PROJECTIONS.values():
+            prefixes = [f"model.layers.{layer}.{part}." for part in parts]
+            stored = [prefix for prefix in prefixes if prefix + "scales" in params]
+            for prefix in stored if len(stored) < len(prefixes) else ():
+                q, scales = params[prefix + "kernel"], params.pop(prefix + "scales")  # [in, out]; [out] or [in / G, out]
+                rows = np.repeat(scales, q.shape[0] // scales.shape[0], 0) if scales.ndim == 2 else scales
+                params[prefix + "kernel"] = (q.astype(np.float32) * rows).astype(dtype)

@@ -101,7 +101,7 @@ def load_model(
         params = _restore_orbax(ckpt_dir / PARAMS_DIR, expected, cast=dtype is not None,
                                 sharding=tensor_parallel.restore_sharding)
     else:
-        params = read_hf_params(ckpt_dir, config, model_dtype, progress=False)
+        params = read_hf_params(ckpt_dir, config, model_dtype, progress=False, keep_fp8=True)
         if arrange is not None:
             params = arrange[1](params)
     if tensor_parallel is None:

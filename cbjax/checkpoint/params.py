@@ -91,6 +91,9 @@ def hf_to_params(hf_name: str, tensor: np.ndarray, config: ModelConfig) -> list[
 
 
 def cast_param(name: str, tensor: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
+    """`tensor` in `dtype`; an fp8 kernel kept as stored and its float32 scales as they are (fp8_checkpoint.py)."""
+    if tensor.dtype == jnp.float8_e4m3fn or name.endswith(".scales"):
+        return tensor
     if not jnp.issubdtype(tensor.dtype, jnp.floating):
         raise ValueError(f"tensor {name} has dtype {tensor.dtype}; only floating-point weights are supported")
     return tensor.astype(np.dtype(dtype), copy=False)

@@ -1,6 +1,7 @@
 """Which local checkpoint a model argument names: a converted directory as is, a Hugging Face
-directory converted once into the cache folder, a GGUF file served as stored (its config and tokenizer
-written once into the cache folder beside a link to it), or (no argument) the built-in SmolLM2."""
+directory converted once into the cache folder (one with fp8 weights served from its own files), a GGUF
+file served as stored (its config and tokenizer written once into the cache folder beside a link to it),
+or (no argument) the built-in SmolLM2."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def resolve_model(model: str | None) -> Path:
         if (path / PARAMS_DIR).is_dir():
             return path
         if (path / "config.json").is_file() and (any(path.glob("*.safetensors"))):
-            return _converted_copy(path)
+            from cbjax.checkpoint.fp8_checkpoint import serves_as_stored
+
+            # fp8 weights stay fp8, read from the directory's own files at each start (fp8_checkpoint.py).
+            return path if serves_as_stored(path) else _converted_copy(path)
         from cbjax.checkpoint.gguf_import import GGUF_FILE
 
         if (path / "config.json").is_file() and (path / GGUF_FILE).is_file():

@@ -1,8 +1,9 @@
 """Checkpoints with fp8 weights (checkpoint/fp8_checkpoint.py), written here as the quantizers lay them out: torch's
 own float8_e4m3fn weights with their scales beside them (per output row as llm-compressor's FP8 scheme, per
 tensor as AutoFP8, per block as DeepSeek-style weight_scale_inv), static input scales and a quantization_config.
-The reference for each is a float32 checkpoint of torch's own dequantization, q.float() * scale: cbjax's load
-must give the same parameters bit for bit, and its engine transformers' greedy tokens on those floats."""
+The reference for each is a float32 checkpoint of torch's own dequantization, q.float() * scale: dequantized at
+load (a conversion) cbjax must give the same parameters bit for bit; kept as stored (served from the directory)
+the logits of those floats to float32 accumulation, and its engine transformers' greedy tokens on them."""
 
 from __future__ import annotations
 
@@ -10,68 +11,23 @@ import json
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from engine_helpers import ENGINE_OPTIONS, hf_greedy, random_prompts
+from fp8_checkpoints import BLOCK, FORMS, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
+from test_packed_matmul import forward_logits
 from tiny_checkpoint import make_tiny_checkpoint
 
 from cbjax import LLM, SamplingParams
 from cbjax.checkpoint.convert import read_hf_params
 from cbjax.checkpoint.kv_scale_tensors import read_kv_scales
 from cbjax.checkpoint.loader import load_model
+from cbjax.checkpoint.resolve import resolve_model
+from cbjax.entrypoints.cli.main import main
 from cbjax.models.config import ModelConfig
-
-BLOCK = 32  # the per-block form's weight_block_size (the tiny model's widths are 64-128)
-FORMS = {
-    "per-row": {"quant_method": "compressed-tensors", "format": "float-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
-                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
-    "per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
-    "per-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]},
-}
-
-
-def fp8_scales(weight: torch.Tensor, form: str) -> torch.Tensor:
-    """The scale of each element's group (broadcast to the weight): its largest |w| over e4m3's 448."""
-    if form == "per-tensor":
-        return weight.abs().max() / 448
-    if form == "per-row":
-        return weight.abs().amax(dim=1, keepdim=True) / 448
-    rows, cols = weight.shape
-    blocks = weight.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK).abs().amax(dim=(1, 3)) / 448
-    return blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-
-
-def write_fp8_checkpoint(hf_dir: Path, out: Path, form: str, extra: dict[str, torch.Tensor] | None = None) -> Path:
-    """`out`: hf_dir with its decoder projections as fp8 + scales (and input scales); `out`-float: torch's
-    dequantization of the same, float32, no quantization_config."""
-    weights = load_file(hf_dir / "model.safetensors")
-    quantized, dequantized = {}, {}
-    for name, weight in weights.items():
-        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-            quantized[name] = dequantized[name] = weight
-            continue
-        scale = fp8_scales(weight, form)
-        q = (weight / scale).to(torch.float8_e4m3fn)
-        quantized[name] = q
-        dequantized[name] = q.float() * scale
-        stored = scale[::BLOCK, ::BLOCK].contiguous() if form == "per-block" else scale.reshape(-1)[:1] if (
-            form == "per-tensor") else scale
-        quantized[name + ("_scale_inv" if form == "per-block" else "_scale")] = stored.contiguous()
-        quantized[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
-    for folder, tensors, quant in ((out, quantized | (extra or {}), FORMS[form]),
-                                   (out.with_name(out.name + "-float"), dequantized, None)):
-        shutil.copytree(hf_dir, folder)
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((folder / "config.json").read_text())
-        if quant is not None:
-            config["quantization_config"] = quant
-        (folder / "config.json").write_text(json.dumps(config))
-    return out
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -91,8 +47,52 @@ def test_fp8_weights_load_as_torchs_dequantization_bit_for_bit(tiny, tmp_path, f
                               read_hf_params(tiny, config, "float32", progress=False)["model.layers.0.self_attn.q_proj.kernel"])
 
 
+def assert_logits_of_the_float_checkpoint(fp8: Path, float_dir: Path) -> None:
+    """fp8's logits (loaded as the engine loads it on one CPU: packed, q/k/v and gate/up fused) are float_dir's to
+    float32 accumulation, through the C++ kernels and the jnp products."""
+    stored, _ = load_model(fp8, pack_for_cpu=True, fused_projections=True)
+    floats, _ = load_model(float_dir, pack_for_cpu=True, fused_projections=True)
+    ids = random_prompts(6, [24])[0]
+    for backend in ("cpp", "xla"):
+        want = forward_logits(floats, ids, backend)
+        np.testing.assert_allclose(forward_logits(stored, ids, backend), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    return stored
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp8_projections_are_kept_as_stored_and_give_the_dequantized_checkpoints_logits(tiny, tmp_path, form):
+    """Served from its directory (no conversion), every projection stays e4m3 with float32 scales beside it ([out]
+    per tensor or row, [in / 32, out] per block); the embedding and head stay float."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", form)
+    assert resolve_model(str(fp8)) == fp8
+    stored = assert_logits_of_the_float_checkpoint(fp8, fp8.with_name("fp8-float"))
+    layer = stored.model.layers[1]
+    for module, k in ((layer.self_attn.qkv_proj, 64), (layer.self_attn.o_proj, 64), (layer.mlp.gate_up_proj, 64),
+                      (layer.mlp.down_proj, 128)):
+        assert module.kernel[...].dtype == jnp.float8_e4m3fn and module.scales[...].dtype == jnp.float32
+        assert module.scales[...].shape[:-1] == ((k // BLOCK,) if form == "per-block" else ())
+    assert stored.model.embed_tokens.embedding[...].dtype == jnp.float32
+
+
+def test_an_fp8_projection_whose_fused_partner_is_float_is_dequantized(tiny, tmp_path):
+    """k_proj left float (as a quantizer's ignore list may leave one): q and v, fused with it, are dequantized at
+    load; the other projections stay fp8; the logits are the float checkpoint's."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row")
+    weights, floats = load_file(fp8 / "model.safetensors"), load_file(fp8.with_name("fp8-float") / "model.safetensors")
+    for layer in (0, 1):
+        name = f"model.layers.{layer}.self_attn.k_proj.weight"
+        weights[name] = floats[name]
+        del weights[name + "_scale"]
+    save_file(weights, fp8 / "model.safetensors", metadata={"format": "pt"})
+    stored = assert_logits_of_the_float_checkpoint(fp8, fp8.with_name("fp8-float"))
+    attention, mlp = stored.model.layers[0].self_attn, stored.model.layers[0].mlp
+    assert attention.qkv_proj.kernel[...].dtype == jnp.float32 and attention.o_proj.kernel[...].dtype == jnp.float8_e4m3fn
+    assert mlp.gate_up_proj.kernel[...].dtype == jnp.float8_e4m3fn
+
+
 def test_an_fp8_checkpoint_serves_transformers_greedy_tokens_on_its_dequantized_weights(tiny, tmp_path):
-    """LLM(model=<fp8 checkpoint>) as vLLM takes one, its KV-cache scales beside (llm-compressor's names)."""
+    """LLM(model=<fp8 checkpoint>) as vLLM takes one (its projections kept fp8), its KV-cache scales beside
+    (llm-compressor's names)."""
     layers = ModelConfig.from_dir(tiny).num_hidden_layers
     kv = {f"model.layers.{i}.self_attn.{kind}": torch.tensor(0.05) for i in range(layers) for kind in ("k_scale", "v_scale")}
     fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row", kv)
@@ -127,3 +127,13 @@ def test_fp8_checkpoints_are_not_quantized_again_and_other_methods_are_refused(t
     save_file(weights, fp8 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is float8_e4m3fn without a scale"):
         read_hf_params(fp8, config, "float32", progress=False)
+
+
+@pytest.mark.parametrize("form", ["per-row", "per-block"])
+def test_every_step_of_an_fp8_checkpoint_as_stored_lowers_for_cuda(tiny, tmp_path, form, capsys):
+    """On a GPU the e4m3 kernels run the jnp products (XLA converts them inside the dot): each bucket's step lowers
+    for CUDA with them, without a GPU (at TP=2 too: tests/worker/test_tensor_parallel.py)."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", form)
+    main(["lower", "--platform", "cuda", "--backend", "pallas", "--model", str(fp8), "--max-num-seqs", "4",
+          "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16", "--num-kv-blocks", "40"])
+    assert "lowered 3/3 steps for cuda with backend pallas" in capsys.readouterr().out

@@ -136,6 +136,24 @@ def test_gguf_as_stored_splits_its_4bit_projections_and_gives_tp1_logits(finding
     assert runs["2"]["weights"]["model.embed_tokens.embedding"]["dtype"] == "float32"
 
 
+def test_fp8_checkpoint_as_stored_splits_its_block_scales_and_gives_tp1_logits(findings):
+    """A checkpoint with fp8 projections and scales per 32 x 32 block (tests/checkpoint/test_fp8_checkpoint.py),
+    kept as stored: e4m3 kernels split like float ones, their scales [in / 32, out] by columns beside q/k/v and
+    gate/up and by whole groups beside o/down, so TP=2 gives TP=1's logits; shard shapes worked by hand for the
+    tiny llama (hidden 64, intermediate 128, 2 KV heads of 16)."""
+    runs = findings["fp8_logits"]
+    want = np.array(runs["1"]["logits"])
+    np.testing.assert_allclose(np.array(runs["2"]["logits"]), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    weights = {name.removeprefix("model.layers.0."): w for name, w in runs["2"]["weights"].items()}
+    want_shards = {"self_attn.q_proj": ([64, 32], [2, 32]), "self_attn.k_proj": ([64, 16], [2, 16]),
+                   "mlp.up_proj": ([64, 64], [2, 64]), "self_attn.o_proj": ([32, 64], [1, 64]),
+                   "mlp.down_proj": ([64, 64], [2, 64])}
+    for module, (kernel, groups) in want_shards.items():
+        assert weights[f"{module}.kernel"]["dtype"] == "float8_e4m3fn" and weights[f"{module}.scales"]["dtype"] == "float32"
+        assert weights[f"{module}.kernel"]["shard_shapes"] == [kernel] and weights[f"{module}.scales"]["shard_shapes"] == [groups]
+    assert findings["fp8_cuda_lowering_failures"] == []  # the engine's every bucket at TP=2, for CUDA
+
+
 def test_fp8_pool_split_over_kv_heads_gives_tp1_logits(findings):
     """An e4m3 pool (kv_cache_dtype="fp8") split over 2 devices' KV heads: each device quantizes and reads its
     own heads, so TP=2 gives TP=1's fp8 logits (those differ from a float32 pool's by ~0.2 on the tiny llama)."""

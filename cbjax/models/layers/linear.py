@@ -20,7 +20,10 @@ from kernels_cpu.quant4 import int4_matmul, quantize_int4
 # Q8_0, Q6_K, Q5_0, ...), and mins [in / G, out] too (GGUF's Q5_1, Q5_K, Q2_K); 4-bit nibbles [in / 2, out] with
 # scales and mins [in / G, out] (GGUF's 4-bit tensors too) and maybe a grid [16] of the values its nibbles index
 # (GGUF's IQ4_NL, IQ4_XS).
-QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul}
+# fp8 (e4m3fn) q [in, out] with scales [out] or [in / G, out]: a checkpoint's fp8 weights as stored
+# (checkpoint/fp8_checkpoint.py), multiplied as int8 ones are.
+QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul,
+                     jnp.dtype(jnp.float8_e4m3fn): int8_matmul}
 BESIDE = ("scales", "mins", "grid")  # the parameters a quantized kernel may have beside it, in the products' order
 
 
