@@ -49,6 +49,7 @@ from cbjax.models.tensor_parallel import (
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 AS_STORED = "GGUF as stored"  # a plan's quantization for a GGUF file: its quantized tensors as the engine keeps them
+FP8_AS_STORED = "fp8 as stored"  # an fp8 checkpoint's: its projections a byte a weight (checkpoint/fp8_checkpoint.py)
 ROOFLINE_BATCH_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
 
 
@@ -70,7 +71,8 @@ class CapacityPlan:
     tensor_parallel_size: int
     expert_parallel: bool  # a MoE model's experts placed whole on devices, num_experts / tensor_parallel_size each
     dtype: str
-    quantization: str | None  # the decoder projections' (None: in dtype; AS_STORED: a GGUF file's tensors as stored)
+    quantization: str | None  # the decoder projections' (None: in dtype; AS_STORED: a GGUF file's tensors as stored;
+    # FP8_AS_STORED: an fp8 checkpoint's projections)
     quantize_lm_head: bool  # the LM head (a tied model's embedding) quantized as the projections
     kv_cache_dtype: str
     max_model_len: int
@@ -201,18 +203,25 @@ def plan_capacity(
     quantization: str | None = None,
     quantize_lm_head: bool = False,
     gguf: str | Path | None = None,
+    fp8: bool = False,
 ) -> CapacityPlan:
     """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
     expert, or placed whole with expert_parallel), its decoder projections quantized as `quantization` says
     (the weights' bytes are those it stores; parameters are counted unquantized), with quantize_lm_head its LM head
     (a tied model's embedding) too, or (`gguf`, the file `config` came from) as that file is served as stored:
-    its quantized tensors as the engine keeps them, the rest in dtype; ValueError if it cannot run."""
+    its quantized tensors as the engine keeps them, the rest in dtype, or (`fp8`, `config` an fp8 checkpoint's) its
+    decoder projections kept e4m3, counted as int8 ones with a scale per column (a byte a weight; block scales,
+    [in / 128, out] where the checkpoint has them, are a few percent more than counted here); ValueError if it
+    cannot run."""
     check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
     check_quantized_lm_head(quantize_lm_head, quantization, tensor_parallel_size)
     if gguf is not None:
         from cbjax.checkpoint.gguf_params import check_as_stored, gguf_stored_shapes  # the gguf package
 
         check_as_stored(Path(gguf), quantization)
+    if fp8 and quantization is not None:
+        raise ValueError(f"{name} holds fp8 weights, served as stored; quantization={quantization!r} would round them "
+                         "a second time: drop --quantization")
     engine_config = EngineConfig(
         model=name, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype_name,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, quantization=quantization,
@@ -222,8 +231,8 @@ def plan_capacity(
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     float_model = representative_model(config, weight_dtype)  # parameters are counted unquantized
     parameters, active_parameters = parameter_counts(float_model, config)
-    model = float_model if quantization is None else representative_model(config, weight_dtype, quantization,
-                                                                           quantize_lm_head)
+    stored_as = "int8" if fp8 else quantization  # fp8 projections take int8's bytes: a byte a weight, scales [out]
+    model = float_model if stored_as is None else representative_model(config, weight_dtype, stored_as, quantize_lm_head)
     if gguf is None:
         check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
 
@@ -265,7 +274,7 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
-        quantization=AS_STORED if gguf is not None else quantization,
+        quantization=AS_STORED if gguf is not None else FP8_AS_STORED if fp8 else quantization,
         quantize_lm_head=quantize_lm_head,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,
@@ -310,6 +319,8 @@ def format_plan(plan: CapacityPlan) -> str:
     device, n = plan.device, plan.tensor_parallel_size
     if plan.quantization == AS_STORED:
         quantized = " (the GGUF file's quantized tensors as stored)"
+    elif plan.quantization == FP8_AS_STORED:
+        quantized = " (the checkpoint's fp8 decoder projections as stored, a byte a weight)"
     elif plan.quantization:
         quantized = f" (decoder projections{' and LM head' if plan.quantize_lm_head else ''} {plan.quantization})"
     else:

@@ -28,6 +28,8 @@ from cbjax.checkpoint.loader import load_model
 from cbjax.checkpoint.resolve import resolve_model
 from cbjax.entrypoints.cli.main import main
 from cbjax.models.config import ModelConfig
+from cbjax.plan.accelerators import accelerator
+from cbjax.plan.capacity import FP8_AS_STORED, load_model_config, plan_capacity
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -137,3 +139,20 @@ def test_every_step_of_an_fp8_checkpoint_as_stored_lowers_for_cuda(tiny, tmp_pat
     main(["lower", "--platform", "cuda", "--backend", "pallas", "--model", str(fp8), "--max-num-seqs", "4",
           "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16", "--num-kv-blocks", "40"])
     assert "lowered 3/3 steps for cuda with backend pallas" in capsys.readouterr().out
+
+
+def test_plan_counts_an_fp8_checkpoints_projections_a_byte_a_weight(tiny, tmp_path, capsys):
+    """`cbjax plan --config <fp8 checkpoint>`: at one device, per-row scales, exactly the bytes the loader holds
+    (e4m3 kernels, float32 scales [out], the rest in dtype); quantization= refused."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row")
+    name, config = load_model_config(str(fp8))
+    plan = plan_capacity(name, config, accelerator("h100"), 1, dtype="float32", fp8=True)
+    loaded = read_hf_params(fp8, config, "float32", progress=False, keep_fp8=True)
+    assert plan.quantization == FP8_AS_STORED
+    assert plan.weight_bytes_per_device == sum(array.nbytes for array in loaded.values())
+    main(["plan", "--config", str(fp8), "--device", "h100", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "(the checkpoint's fp8 decoder projections as stored, a byte a weight)" in out
+    assert f"({plan.weight_bytes_per_device:,} bytes)" in out
+    with pytest.raises(ValueError, match="holds fp8 weights, served as stored; quantization='int8' would round"):
+        plan_capacity(name, config, accelerator("h100"), 1, quantization="int8", fp8=True)
