@@ -139,6 +139,8 @@ def test_every_step_of_an_fp8_checkpoint_as_stored_lowers_for_cuda(tiny, tmp_pat
     main(["lower", "--platform", "cuda", "--backend", "pallas", "--model", str(fp8), "--max-num-seqs", "4",
           "--max-model-len", "64", "--max-num-batched-tokens", "32", "--block-size", "16", "--num-kv-blocks", "40"])
     assert "lowered 3/3 steps for cuda with backend pallas" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"would lower the float model .* use --model {fp8}"):
+        main(["lower", "--config", str(fp8)])
 
 
 def test_plan_counts_an_fp8_checkpoints_projections_a_byte_a_weight(tiny, tmp_path, capsys):

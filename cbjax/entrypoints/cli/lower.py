@@ -56,9 +56,11 @@ def _lower_config(args: argparse.Namespace) -> list:
     from cbjax.config import EngineConfig
     from cbjax.plan.capacity import load_model_config
 
-    if args.config.endswith(".gguf"):
-        sys.exit(f"cbjax lower: --config {args.config} would lower the float model its metadata describes, not the "
-                 f"file's quantized tensors; use --model {args.config}, which loads the file as stored")
+    from cbjax.entrypoints.cli.plan import holds_fp8_weights
+
+    if args.config.endswith(".gguf") or holds_fp8_weights(args.config):
+        sys.exit(f"cbjax lower: --config {args.config} would lower the float model its config describes, not the "
+                 f"checkpoint's quantized tensors; use --model {args.config}, which loads them as stored")
     try:
         name, model_config = load_model_config(args.config)
         runner = abstract_runner(model_config, EngineConfig(model=name, **engine_options(args)), args.platform)
