@@ -164,11 +164,14 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scales: dict[
                     dequantized)
 
 
-def serves_as_stored(hf_dir: Path) -> bool:
-    """Whether a Hugging Face directory holds fp8 weights (a quantization_config with fp8 weights), which it
-    serves from its own files as stored rather than through a float conversion."""
-    config = json.loads((hf_dir / "config.json").read_text())
-    return quantized_weights(config) in ("fp8", "compressed-tensors", "modelopt")
+def serves_as_stored(model_dir: str | Path) -> bool:
+    """Whether `model_dir` is a Hugging Face directory holding fp8 weights (a quantization_config with fp8 weights),
+    which it serves from its own files as stored rather than through a float conversion; False for anything else
+    (a file, a preset name, a directory without config.json)."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return False
+    return quantized_weights(json.loads(config_path.read_text())) in ("fp8", "compressed-tensors", "modelopt")
 
 
 def dequantize_unfused_parts(params: dict[str, np.ndarray], num_layers: int, dtype: np.dtype) -> None:

@@ -52,13 +52,12 @@ def _lower_checkpoint(args: argparse.Namespace) -> list:
 
 def _lower_config(args: argparse.Namespace) -> list:
     """Lower every bucket from the config alone, printing each one's partitions and argument shardings."""
+    from cbjax.checkpoint.fp8_checkpoint import serves_as_stored
     from cbjax.worker.compilation.abstract_lowering import abstract_runner, argument_shardings, num_partitions
     from cbjax.config import EngineConfig
     from cbjax.plan.capacity import load_model_config
 
-    from cbjax.entrypoints.cli.plan import holds_fp8_weights
-
-    if args.config.endswith(".gguf") or holds_fp8_weights(args.config):
+    if args.config.endswith(".gguf") or serves_as_stored(args.config):
         sys.exit(f"cbjax lower: --config {args.config} would lower the float model its config describes, not the "
                  f"checkpoint's quantized tensors; use --model {args.config}, which loads them as stored")
     try:

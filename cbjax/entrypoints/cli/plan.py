@@ -32,16 +32,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def holds_fp8_weights(config: str) -> bool:
-    """Whether `config` names a model directory whose checkpoint holds fp8 weights (served as stored)."""
-    from pathlib import Path
-
-    from cbjax.checkpoint.fp8_checkpoint import serves_as_stored
-
-    return (Path(config) / "config.json").is_file() and serves_as_stored(Path(config))
-
-
 def cmd_plan(args: argparse.Namespace) -> None:
+    from cbjax.checkpoint.fp8_checkpoint import serves_as_stored
     from cbjax.plan.accelerators import accelerator
     from cbjax.plan.capacity import format_plan, load_model_config, plan_capacity
 
@@ -52,7 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
             quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-            gguf=args.config if args.config.endswith(".gguf") else None, fp8=holds_fp8_weights(args.config),
+            gguf=args.config if args.config.endswith(".gguf") else None, fp8=serves_as_stored(args.config),
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")
