@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, UInt8
 
-from kernels_cpu.quant import check_int8_groups, int8_matmul
+from kernels_cpu.quant import SCALED_DTYPES, check_int8_groups, int8_matmul
 from kernels_cpu.quant4 import int4_matmul
 from kernels_cpu.registry import target
 
@@ -38,7 +38,6 @@ TARGETS = {jnp.dtype(jnp.float32): "CbjaxPackedMatmulF32", jnp.dtype(jnp.bfloat1
 INT8_MINS_TARGET = "CbjaxPackedMatmulI8Mins"  # int8 panels with scales and mins [K / G, N]
 Q4_GRID_TARGET = "CbjaxPackedMatmulQ4Grid"  # nibble panels indexing a grid [16] of values
 QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), FP8)  # int8, 4-bit nibbles, fp8: panels of any width, zero-padded
-SCALED = (jnp.dtype(jnp.int8), FP8)  # weights of w = q * scales: int8 or fp8 q, scales [N] or [K / G, N]
 
 
 def packable(shape: tuple[int, ...], dtype: np.dtype | jnp.dtype) -> bool:
@@ -113,7 +112,7 @@ def packed_matmul_reference(
         if scales.ndim == 3:
             scales, mins = unpack_group_rows(scales), unpack_group_rows(mins)
         return int4_matmul(x, unpack_weight(packed, n=scales.shape[-1]), scales, mins, grid)
-    if packed.dtype in SCALED:
+    if packed.dtype in SCALED_DTYPES:
         return int8_matmul(x.astype(jnp.float32), unpack_weight(packed, n=scales.shape[-1]), scales, mins)
     w = unpack_weight(packed, x.shape[-1])
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
@@ -151,7 +150,7 @@ def packed_matmul_cpu(
             f"[N] or [K / G, N], and mins of grouped scales' shape or none; float8_e4m3fn as int8 without mins; uint8 [ceil(N / {PANEL}), K / 2, {PANEL}] "
             f"with scales and mins [K / G, N] or [N / {PANEL}, K / G, {PANEL}], and a grid [16] or none)"
         )
-    if dtype in SCALED and scales.ndim == 2:
+    if dtype in SCALED_DTYPES and scales.ndim == 2:
         check_int8_groups(x.shape[-1], scales.shape[0])
     n = packed.shape[0] * PANEL if scales is None else scales_width(scales)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)

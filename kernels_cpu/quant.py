@@ -21,6 +21,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int8, Shaped
 
 INT8_MAX = 127
+# The q that int8_matmul multiplies by scales: int8, or fp8 (e4m3fn) codes, a checkpoint's fp8 weights as stored.
+SCALED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def quantize_int8(w: Float[np.ndarray, "k n"]) -> tuple[Int8[np.ndarray, "k n"], Float[np.ndarray, " n"]]:
@@ -55,7 +57,7 @@ def int8_matmul(
     [K / G, N]: each group's sum of x * q times that group's scales, added over the groups, as the C++
     kernel sums them (q may be fp8, a checkpoint's weights as stored: widened exactly as int8 is); with mins [K / G, N] (w = q * scales + mins per group: GGUF's Q5_1, Q5_K, Q2_K) plus each
     group's sum of x times its mins (quant4.int4_matmul's form)."""
-    if (q.ndim != 2 or q.dtype not in (jnp.int8, jnp.float8_e4m3fn) or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
+    if (q.ndim != 2 or q.dtype not in SCALED_DTYPES or scales.ndim not in (1, 2) or scales.shape[-1] != q.shape[1]
             or x.shape[-1] != q.shape[0] or (mins is not None and (scales.ndim != 2 or mins.shape != scales.shape))):
         raise ValueError(
             f"int8_matmul: x {x.shape} does not match an int8 weight {q.dtype} {q.shape} with scales {scales.shape} "

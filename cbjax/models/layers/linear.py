@@ -13,7 +13,7 @@ from cbjax.models.layers.attention import AttentionPlan
 from cbjax.quantization import check_quantization, int4_group_size, int4_groups_dividing
 from kernels_cpu import group_rows_packable, pack_group_rows, pack_weight, packable, packed_matmul_cpu
 from kernels_cpu import packed_matmul_reference, scales_width
-from kernels_cpu.quant import int8_matmul, quantize_int8
+from kernels_cpu.quant import SCALED_DTYPES, int8_matmul, quantize_int8
 from kernels_cpu.quant4 import int4_matmul, quantize_int4
 
 # A quantized kernel's dtype -> its unpacked product: int8 q [in, out] with scales [out] or [in / G, out] (GGUF's
@@ -22,8 +22,7 @@ from kernels_cpu.quant4 import int4_matmul, quantize_int4
 # (GGUF's IQ4_NL, IQ4_XS).
 # fp8 (e4m3fn) q [in, out] with scales [out] or [in / G, out]: a checkpoint's fp8 weights as stored
 # (checkpoint/fp8_checkpoint.py), multiplied as int8 ones are.
-QUANTIZED_KERNELS = {jnp.dtype(jnp.int8): int8_matmul, jnp.dtype(jnp.uint8): int4_matmul,
-                     jnp.dtype(jnp.float8_e4m3fn): int8_matmul}
+QUANTIZED_KERNELS = {**dict.fromkeys(SCALED_DTYPES, int8_matmul), jnp.dtype(jnp.uint8): int4_matmul}
 BESIDE = ("scales", "mins", "grid")  # the parameters a quantized kernel may have beside it, in the products' order
 
 
