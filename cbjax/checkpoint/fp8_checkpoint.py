@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -121,19 +122,29 @@ def dequantize(name: str, q: np.ndarray, scale: np.ndarray, block: tuple[int, in
                      f"weight_block_size ({'none given' if block is None else list(block)})")
 
 
-def stored_scales(q: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None) -> np.ndarray | None:
-    """An fp8 [out, in] weight's scale as the int8 products take it beside the [in, out] kernel: [out] per tensor or
-    row, [in / b1, out] per block (each block row's scale repeated over its b0 outputs); None where a block does
-    not divide `in` (or the scale has another shape: dequantize says why)."""
-    rows, cols = q.shape
-    scale = np.asarray(scale, np.float32)
-    if scale.size == 1:
-        return np.full(rows, scale.reshape(()), np.float32)
-    if scale.shape in ((rows,), (rows, 1)):
-        return np.ascontiguousarray(scale.reshape(rows))
-    if block is not None and cols % block[1] == 0 and scale.shape == (-(-rows // block[0]), cols // block[1]):
-        return np.ascontiguousarray(np.repeat(scale, block[0], 0)[:rows].T)
+def kept_scales_shape(name: str, dtype: np.dtype, shape: tuple[int, ...], scale_shape: tuple[int, ...],
+                      block: tuple[int, int] | None) -> tuple[int, ...] | None:
+    """The shape of the `...scales` an fp8 weight `name` [out, in] is kept with as stored, beside its [in, out] kernel:
+    [out] per tensor or row, [in / b1, out] per block; None where it is dequantized at load (not a decoder
+    projection's e4m3 matrix, a block not dividing `in`, or a scale of another shape: dequantize says why)."""
+    if np.dtype(dtype) != STORED or len(shape) != 2 or not _PROJECTION.fullmatch(name):
+        return None
+    rows, cols = shape
+    scale_shape = tuple(scale_shape)
+    if math.prod(scale_shape) == 1 or scale_shape in ((rows,), (rows, 1)):
+        return (rows,)
+    if block is not None and cols % block[1] == 0 and scale_shape == (-(-rows // block[0]), cols // block[1]):
+        return (cols // block[1], rows)
     return None
+
+
+def stored_scales(scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int] | None) -> np.ndarray:
+    """An fp8 weight's scale as the int8 products take it, in kept_scales_shape's `shape`: per tensor or row
+    [out], per block [in / b1, out] (each block row's scale repeated over its b0 outputs)."""
+    scale = np.asarray(scale, np.float32)
+    if len(shape) == 1:
+        return np.full(shape, scale.reshape(()), np.float32) if scale.size == 1 else np.ascontiguousarray(scale.reshape(shape))
+    return np.ascontiguousarray(np.repeat(scale, block[0], 0)[: shape[1]].T)
 
 
 def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scales: dict[str, np.ndarray],
@@ -149,11 +160,10 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scales: dict[
             if name not in scales:
                 raise ValueError(f"{source}: {name} is {tensor.dtype} without a scale beside it ({name}_scale or "
                                  f"{name}_scale_inv); the checkpoint is incomplete")
-            stored = (stored_scales(tensor, scales[name], block)
-                      if keep and tensor.dtype == STORED and tensor.ndim == 2 and _PROJECTION.fullmatch(name) else None)
-            if stored is not None:
+            shape = kept_scales_shape(name, tensor.dtype, tensor.shape, scales[name].shape, block) if keep else None
+            if shape is not None:
                 yield name, tensor
-                yield name.removesuffix("weight") + "scales", stored
+                yield name.removesuffix("weight") + "scales", stored_scales(scales[name], shape, block)
                 kept += 1
                 continue
             tensor = dequantize(name, tensor, scales[name], block, source)
@@ -174,16 +184,25 @@ def serves_as_stored(model_dir: str | Path) -> bool:
     return quantized_weights(json.loads(config_path.read_text())) in ("fp8", "compressed-tensors", "modelopt")
 
 
-def dequantize_unfused_parts(params: dict[str, np.ndarray], num_layers: int, dtype: np.dtype) -> None:
-    """Dequantize (float32 q * scales, then `dtype`) the kept fp8 parts of a fused group (q/k/v, gate/up) whose
-    other parts are float: a fused kernel has one form (linear.fuse_projections)."""
+def unfused_parts(kept: Iterable[str], num_layers: int) -> Iterator[str]:
+    """Of the kept fp8 projections (parameter prefixes, `model.layers.0.self_attn.q_proj.`), those in a fused group
+    (q/k/v, gate/up) whose other parts are float: dequantized at load, as a fused kernel has one form
+    (linear.fuse_projections)."""
     from cbjax.models.layers.linear import FUSED_PROJECTIONS  # JAX: only a load needs it (resolve.py reads this file)
 
+    kept = set(kept)
     for layer in range(num_layers):
         for parts in FUSED_PROJECTIONS.values():
             prefixes = [f"model.layers.{layer}.{part}." for part in parts]
-            stored = [prefix for prefix in prefixes if prefix + "scales" in params]
-            for prefix in stored if len(stored) < len(prefixes) else ():
-                q, scales = params[prefix + "kernel"], params.pop(prefix + "scales")  # [in, out]; [out] or [in / G, out]
-                rows = np.repeat(scales, q.shape[0] // scales.shape[0], 0) if scales.ndim == 2 else scales
-                params[prefix + "kernel"] = (q.astype(np.float32) * rows).astype(dtype)
+            stored = [prefix for prefix in prefixes if prefix in kept]
+            yield from stored if len(stored) < len(prefixes) else ()
+
+
+def dequantize_unfused_parts(params: dict[str, np.ndarray], num_layers: int, dtype: np.dtype) -> None:
+    """Dequantize (float32 q * scales, then `dtype`) the kept fp8 parts of a fused group whose other parts are float
+    (unfused_parts)."""
+    kept = [name.removesuffix("scales") for name in params if name.endswith(".scales")]
+    for prefix in list(unfused_parts(kept, num_layers)):
+        q, scales = params[prefix + "kernel"], params.pop(prefix + "scales")  # [in, out]; [out] or [in / G, out]
+        rows = np.repeat(scales, q.shape[0] // scales.shape[0], 0) if scales.ndim == 2 else scales
+        params[prefix + "kernel"] = (q.astype(np.float32) * rows).astype(dtype)

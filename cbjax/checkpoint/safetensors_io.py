@@ -58,6 +58,13 @@ def _raw_tensor(path: Path, entry: dict, data_start: int) -> np.ndarray:
     return data.view(RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's (safetensors dtype name, "F32", "F8_E4M3", ...; shape) by HF name, from the files' headers
+    alone (no tensor data is read)."""
+    return {name: (entry["dtype"], tuple(entry["shape"]))
+            for path in files for name, entry in _header(path)[0].items() if name != "__metadata__"}
+
+
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, array) for every tensor; only one is materialized at a time. fp8 tensors come as
     ml_dtypes' float8 arrays."""

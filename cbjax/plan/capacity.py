@@ -203,23 +203,22 @@ def plan_capacity(
     quantization: str | None = None,
     quantize_lm_head: bool = False,
     gguf: str | Path | None = None,
-    fp8: bool = False,
+    fp8: str | Path | None = None,
 ) -> CapacityPlan:
     """The plan for serving `config` on `tensor_parallel_size` devices (a MoE model's experts split within each
     expert, or placed whole with expert_parallel), its decoder projections quantized as `quantization` says
     (the weights' bytes are those it stores; parameters are counted unquantized), with quantize_lm_head its LM head
     (a tied model's embedding) too, or (`gguf`, the file `config` came from) as that file is served as stored:
-    its quantized tensors as the engine keeps them, the rest in dtype, or (`fp8`, `config` an fp8 checkpoint's) its
-    decoder projections kept e4m3, counted as int8 ones with a scale per column (a byte a weight; block scales,
-    [in / 128, out] where the checkpoint has them, are a few percent more than counted here); ValueError if it
-    cannot run."""
+    its quantized tensors as the engine keeps them, the rest in dtype, or (`fp8`, the fp8 checkpoint `config` came
+    from) as it is served as stored: its decoder projections e4m3 with their scales, the rest in dtype; ValueError
+    if it cannot run."""
     check_tensor_parallel(config, tensor_parallel_size, expert_parallel)
     check_quantized_lm_head(quantize_lm_head, quantization, tensor_parallel_size)
     if gguf is not None:
         from cbjax.checkpoint.gguf_params import check_as_stored, gguf_stored_shapes  # the gguf package
 
         check_as_stored(Path(gguf), quantization)
-    if fp8 and quantization is not None:
+    if fp8 is not None and quantization is not None:
         raise ValueError(f"{name} holds fp8 weights, served as stored; quantization={quantization!r} would round them "
                          "a second time: drop --quantization")
     engine_config = EngineConfig(
@@ -231,15 +230,19 @@ def plan_capacity(
     weight_dtype = jnp.bfloat16 if dtype == "auto" else jnp.dtype(dtype)  # "auto" is bfloat16 off CPU
     float_model = representative_model(config, weight_dtype)  # parameters are counted unquantized
     parameters, active_parameters = parameter_counts(float_model, config)
-    stored_as = "int8" if fp8 else quantization  # fp8 projections take int8's bytes: a byte a weight, scales [out]
-    model = float_model if stored_as is None else representative_model(config, weight_dtype, stored_as, quantize_lm_head)
-    if gguf is None:
+    model = float_model if quantization is None else representative_model(config, weight_dtype, quantization, quantize_lm_head)
+    if gguf is None and fp8 is None:
         check_whole_groups(named_arrays(nnx.state(model)), config, tensor_parallel_size)
 
         def weights_at(n: int, experts_only: bool = False) -> int:
             return weight_bytes_per_device(model, config, n, experts_only, expert_parallel)
-    else:  # the file's tensor list read once per form: under tensor parallelism the embedding and head dequantized
-        stored = functools.cache(lambda parallel: gguf_stored_shapes(gguf, config, weight_dtype, parallel))
+    else:  # the file's tensor list read once per form: under tensor parallelism a GGUF's embedding and head dequantized
+        if gguf is not None:
+            stored = functools.cache(lambda parallel: gguf_stored_shapes(gguf, config, weight_dtype, parallel))
+        else:
+            from cbjax.checkpoint.fp8_params import fp8_stored_shapes
+
+            stored = functools.cache(lambda parallel: fp8_stored_shapes(fp8, config, weight_dtype))
         check_whole_groups(stored(tensor_parallel_size > 1), config, tensor_parallel_size)
 
         def weights_at(n: int, experts_only: bool = False) -> int:
@@ -274,7 +277,7 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         dtype=jnp.dtype(weight_dtype).name,
-        quantization=AS_STORED if gguf is not None else FP8_AS_STORED if fp8 else quantization,
+        quantization=AS_STORED if gguf is not None else FP8_AS_STORED if fp8 is not None else quantization,
         quantize_lm_head=quantize_lm_head,
         kv_cache_dtype=jnp.dtype(pool_dtype).name,
         max_model_len=max_model_len,

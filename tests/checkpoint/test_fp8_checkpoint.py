@@ -76,16 +76,21 @@ def test_fp8_projections_are_kept_as_stored_and_give_the_dequantized_checkpoints
     assert stored.model.embed_tokens.embedding[...].dtype == jnp.float32
 
 
-def test_an_fp8_projection_whose_fused_partner_is_float_is_dequantized(tiny, tmp_path):
-    """k_proj left float (as a quantizer's ignore list may leave one): q and v, fused with it, are dequantized at
-    load; the other projections stay fp8; the logits are the float checkpoint's."""
-    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row")
+def leave_k_proj_float(fp8: Path) -> None:
+    """k_proj of every layer float in `fp8` (as a quantizer's ignore list may leave one), its scale dropped."""
     weights, floats = load_file(fp8 / "model.safetensors"), load_file(fp8.with_name("fp8-float") / "model.safetensors")
     for layer in (0, 1):
         name = f"model.layers.{layer}.self_attn.k_proj.weight"
         weights[name] = floats[name]
         del weights[name + "_scale"]
     save_file(weights, fp8 / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_an_fp8_projection_whose_fused_partner_is_float_is_dequantized(tiny, tmp_path):
+    """k_proj left float: q and v, fused with it, are dequantized at load; the other projections stay fp8; the
+    logits are the float checkpoint's."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row")
+    leave_k_proj_float(fp8)
     stored = assert_logits_of_the_float_checkpoint(fp8, fp8.with_name("fp8-float"))
     attention, mlp = stored.model.layers[0].self_attn, stored.model.layers[0].mlp
     assert attention.qkv_proj.kernel[...].dtype == jnp.float32 and attention.o_proj.kernel[...].dtype == jnp.float8_e4m3fn
@@ -143,12 +148,16 @@ def test_every_step_of_an_fp8_checkpoint_as_stored_lowers_for_cuda(tiny, tmp_pat
         main(["lower", "--config", str(fp8)])
 
 
-def test_plan_counts_an_fp8_checkpoints_projections_a_byte_a_weight(tiny, tmp_path, capsys):
-    """`cbjax plan --config <fp8 checkpoint>`: at one device, per-row scales, exactly the bytes the loader holds
-    (e4m3 kernels, float32 scales [out], the rest in dtype); quantization= refused."""
-    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", "per-row")
+@pytest.mark.parametrize("form", [*FORMS, "per-row, k_proj float"])
+def test_plan_counts_an_fp8_checkpoint_as_the_loader_holds_it(tiny, tmp_path, capsys, form):
+    """`cbjax plan --config <fp8 checkpoint>` at one device: exactly the bytes the loader holds (e4m3 kernels, float32
+    scales [out] or per block [in / 32, out], q and v dequantized beside a float k, the rest in dtype), for every
+    scale form; quantization= refused."""
+    fp8 = write_fp8_checkpoint(tiny, tmp_path / "fp8", form.split(",")[0])
+    if "k_proj float" in form:
+        leave_k_proj_float(fp8)
     name, config = load_model_config(str(fp8))
-    plan = plan_capacity(name, config, accelerator("h100"), 1, dtype="float32", fp8=True)
+    plan = plan_capacity(name, config, accelerator("h100"), 1, dtype="float32", fp8=fp8)
     loaded = read_hf_params(fp8, config, "float32", progress=False, keep_fp8=True)
     assert plan.quantization == FP8_AS_STORED
     assert plan.weight_bytes_per_device == sum(array.nbytes for array in loaded.values())
@@ -157,4 +166,4 @@ def test_plan_counts_an_fp8_checkpoints_projections_a_byte_a_weight(tiny, tmp_pa
     assert "(the checkpoint's fp8 decoder projections as stored, a byte a weight)" in out
     assert f"({plan.weight_bytes_per_device:,} bytes)" in out
     with pytest.raises(ValueError, match="holds fp8 weights, served as stored; quantization='int8' would round"):
-        plan_capacity(name, config, accelerator("h100"), 1, quantization="int8", fp8=True)
+        plan_capacity(name, config, accelerator("h100"), 1, quantization="int8", fp8=fp8)

@@ -44,7 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             dtype=args.dtype, kv_cache_dtype_name=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, context_len=args.context_len, expert_parallel=args.enable_expert_parallel,
             quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-            gguf=args.config if args.config.endswith(".gguf") else None, fp8=serves_as_stored(args.config),
+            gguf=args.config if args.config.endswith(".gguf") else None, fp8=args.config if serves_as_stored(args.config) else None,
         )
     except ValueError as error:
         sys.exit(f"cbjax plan: {error}")
