@@ -6,7 +6,9 @@
 For engine runs where no trained checkpoint of the wanted size can be brought (the GPU machine has
 no network and a 64 MiB upload): the step costs of a model depend on its shapes, not its values.
 The vocabulary is the tokenizer's, so prompts and outputs detokenize. `cbjax bench throughput
---model OUT` converts the directory on first use (cbjax/checkpoint/resolve.py).
+--model OUT` converts the directory on first use (cbjax/checkpoint/resolve.py). With --fp8 the decoder
+projections are written as an fp8 checkpoint holds them (e4m3, a scale per tensor beside each, vLLM's
+quant_method "fp8"), which the engine serves from the directory as stored (cbjax/checkpoint/fp8_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import pathlib
 import shutil
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -27,6 +30,7 @@ SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64),
 }
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}  # weight scales per tensor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -62,12 +66,26 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
+def as_fp8(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`weights` with each decoder projection as e4m3 codes and its `..._scale` (largest |w| / 448) beside."""
+    stored = {}
+    for name, weight in weights.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            weight = weight.astype(np.float32)
+            scale = np.float32(np.abs(weight).max() / 448)
+            stored[name + "_scale"] = np.array([scale], np.float32)
+            weight = (weight / scale).astype(ml_dtypes.float8_e4m3fn)
+        stored[name] = weight
+    return stored
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     parser.add_argument("--tokenizer-dir", type=pathlib.Path, required=True, help="a Hugging Face dir with tokenizer.json")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", action="store_true", help="decoder projections fp8 (e4m3, a scale per tensor)")
     args = parser.parse_args(argv)
 
     tokenizer = json.loads((args.tokenizer_dir / "tokenizer.json").read_text())
@@ -76,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = -(-vocab_size // 64) * 64  # padded like most checkpoints' embedding tables
     source_config = json.loads((args.tokenizer_dir / "config.json").read_text()) if (args.tokenizer_dir / "config.json").exists() else {}
     config = llama_config(SHAPES[args.shape], vocab_size, source_config)
+    if args.fp8:
+        config["quantization_config"] = FP8_CONFIG
     args.out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (args.tokenizer_dir / name).exists():
             shutil.copy(args.tokenizer_dir / name, args.out / name)
     (args.out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(random_weights(config, args.seed), str(args.out / "model.safetensors"))
-    print(f"wrote {args.out}: {args.shape} shapes, vocab {vocab_size}")
+    weights = random_weights(config, args.seed)
+    save_file(as_fp8(weights) if args.fp8 else weights, str(args.out / "model.safetensors"))
+    print(f"wrote {args.out}: {args.shape} shapes, vocab {vocab_size}{', fp8 projections' if args.fp8 else ''}")
     return 0
 
 

@@ -3,7 +3,7 @@
 # reference (pytest -m gpu), the kernel benchmark, sliding-window and expert-matmul benchmarks, the
 # engine decode step at Llama-3-8B shapes,
 # whole-engine throughput on a random-weight Llama-3.2-1B-shaped model (Pallas vs XLA attention; then
-# int8 and int4 weights and an fp8 KV pool on the same model and workload),
+# int8, int4 and fp8 weights and an fp8 KV pool on the same model and workload),
 # a tensor-parallel run where there are several GPUs, then as much of the full suite as time leaves.
 # Writes logs and JSON under ${OUT:-gpu_results}/ and prints a short table of each.
 #
@@ -86,13 +86,18 @@ fi
 
 fi
 if want quantized; then
-phase "engine throughput, the same model and workload: int8, int4 weights; fp8 KV with calculated scales"
+phase "engine throughput, the same model and workload: int8, int4 weights; fp8 KV with calculated scales; fp8 weights"
 if [ -d /tmp/random-1b ]; then
   for variant in "int8:--quantization int8" "int4:--quantization int4" "fp8_kv:--kv-cache-dtype fp8 --calculate-kv-scales"; do
     # shellcheck disable=SC2086  # the flags are words
     timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b ${variant#*:} \
       "${workload[@]}" --result-json "$out/throughput_${variant%%:*}.json" 2>&1 | grep -v "it/s\]" | tail -4
   done
+  # The same random weights as an fp8 checkpoint (e4m3 projections, served as stored: XLA's int8 product)
+  timeout $(left 40) python3 benchmarks/random_hf_model.py --shape llama-3.2-1b --tokenizer-dir .gpu_carry/tokenizer \
+    --fp8 --out /tmp/random-1b-fp8
+  timeout $(left 80) python3 -m cbjax bench throughput --model /tmp/random-1b-fp8 "${workload[@]}" \
+    --result-json "$out/throughput_fp8_weights.json" 2>&1 | grep -v "it/s\]" | tail -4
 else
   echo "skipped: no /tmp/random-1b (the throughput phase writes it)"
 fi
