@@ -109,6 +109,10 @@ struct E4M3 {  // an fp8 (e4m3fn) weight's code: fp8 panels are read as int8 one
 
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // rows of sums a pass keeps in registers: 2 x 8 of the 32 vector registers
+// int8 and fp8 passes without mins, over more than 16 rows: 2 x 12 sums beside the two widened weight vectors, so
+// each widening serves 12 rows (with mins, the group's scales and mins take registers too: 8). BENCHMARKS.md,
+// "Quantized weights on the CPU".
+constexpr int kRowsI8 = 12;
 
 // A step's first or second 16 columns as floats: loaded, or int8 sign-extended and converted (exact).
 inline __m512 widen16(const float* wp) { return _mm512_loadu_ps(wp); }
@@ -185,6 +189,7 @@ void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int6
 }
 #else
 constexpr int kRows = 4;  // without AVX-512: fewer rows, the compiler's own vectors
+constexpr int kRowsI8 = kRows;
 
 template <int R, typename Tag>
 void pass(const typename Tag::X* x, const typename Tag::W* panel, float* y, int64_t steps, int64_t ldy) {
@@ -222,6 +227,18 @@ void row_passes(int64_t rows, Pass pass) {
   int64_t m = 0;
   for (; m + kRows <= rows; m += kRows) pass(m, std::integral_constant<int, kRows>{});
   if (m < rows) with_rows<kRows>(rows - m, [&](auto r) { pass(m, r); });
+}
+
+// The same over passes of at most MaxRows rows, as even as they can be (28 rows at 12: 10, 9 and 9, not 12, 12 and
+// 4). A row's sums are the same in any pass, so the split sets only the speed.
+template <int MaxRows, typename Pass>
+void even_row_passes(int64_t rows, Pass pass) {
+  const int64_t passes = (rows + MaxRows - 1) / MaxRows;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t n = rows / passes + (i < rows % passes ? 1 : 0);
+    with_rows<MaxRows>(n, [&](auto r) { pass(m, r); });
+    m += n;
+  }
 }
 
 // Panel p's 32 columns of every row: y[:, 32p : 32p + 32].
@@ -567,10 +584,17 @@ ffi::Error multiply_i8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, co
   float* out = y->typed_data();
   cbjax_kernels::share_out(pool, w.dimensions()[0], [=](int64_t p) {
     const int64_t width = std::min(kPanel, N - p * kPanel), c = p * kPanel;
-    row_passes(rows, [&](int64_t m, auto r) {
+    const auto one = [&](int64_t m, auto r) {
       pass_i8<r.value, kMins>(xp + m * K, kMins ? xs + m * groups : nullptr, q + p * K * kPanel, s + c,
                               kMins ? mins + c : nullptr, out + m * N + c, K, group, N, N, width);
-    });
+    };
+    if constexpr (kMins) {
+      row_passes(rows, one);
+    } else if (rows <= 2 * kRows) {
+      row_passes(rows, one);  // up to 16 rows passes of 8 measured a little faster
+    } else {
+      even_row_passes<kRowsI8>(rows, one);
+    }
   });
   return ffi::Error::Success();
 }

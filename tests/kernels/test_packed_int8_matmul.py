@@ -28,11 +28,11 @@ from kernels_cpu.quant import int8_matmul, quantize_int8
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the kernel is an XLA:CPU custom call")
 
 kernel = jax.jit(packed_matmul_cpu)
-SHAPES = [(1, 1, 1), (0, 5, 33), (1, 576, 960), (7, 33, 31), (9, 127, 65), (17, 300, 96), (64, 384, 70),
-          ((2, 3), 64, 40)]
+SHAPES = [(1, 1, 1), (0, 5, 33), (1, 576, 960), (7, 33, 31), (9, 127, 65), (17, 300, 96), (29, 200, 45),
+          (64, 384, 70), ((2, 3), 64, 40)]
 # rows, K, G, N
 GROUP_SHAPES = [(1, 32, 32, 32), (0, 64, 32, 33), (1, 576, 32, 960), (7, 96, 16, 31), (9, 128, 32, 65),
-                (16, 256, 16, 96), (64, 512, 32, 100), (24, 384, 96, 70), ((2, 3), 64, 32, 40)]
+                (16, 256, 16, 96), (29, 128, 32, 45), (64, 512, 32, 100), (24, 384, 96, 70), ((2, 3), 64, 32, 40)]
 
 
 def int8_product(rng: np.random.Generator, rows: int | tuple[int, ...], k: int, n: int):
