@@ -242,7 +242,8 @@ def plan_capacity(
         else:
             from cbjax.checkpoint.fp8_params import fp8_stored_shapes
 
-            stored = functools.cache(lambda parallel: fp8_stored_shapes(fp8, config, weight_dtype))
+            fp8_shapes = fp8_stored_shapes(fp8, config, weight_dtype)  # one form at any tensor parallel size
+            stored = lambda parallel: fp8_shapes  # noqa: E731
         check_whole_groups(stored(tensor_parallel_size > 1), config, tensor_parallel_size)
 
         def weights_at(n: int, experts_only: bool = False) -> int:
